@@ -1,0 +1,29 @@
+# Two commands do everything on a fresh machine: `make train` and `make test`.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install train test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch from local disk on dev/CI machines; an unpinned torch would pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python examples/train.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun wandb lightning_logs .pytest_cache

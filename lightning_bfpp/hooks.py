@@ -1,0 +1,55 @@
+# Scope: the user-facing contract. A LightningModule opts into pipelining by defining these hooks
+# (inherit `PipelineHooks` for the defaults and docs, or define them by duck typing).
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class PipelineHooks:
+    """Mixin describing how bfpp cuts a LightningModule into pipeline stages.
+
+    Required:
+        ``pipeline_layers()``: the model as an ordered list of submodules of ``self``; layer ``i``'s
+        output (a tensor or tuple of tensors) is layer ``i+1``'s input. Stages are contiguous runs of
+        layers, so parameter names stay the model's own (``blocks.3.attn.weight`` everywhere).
+        ``pipeline_loss(output, target)``: the loss of one micro-batch from the last layer's output
+        (mean-reduced, like ``F.cross_entropy``).
+
+    Optional:
+        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``.
+    """
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        raise NotImplementedError("define pipeline_layers() to return the model's ordered layers")
+
+    def pipeline_loss(self, output: Any, target: Any) -> torch.Tensor:
+        raise NotImplementedError("define pipeline_loss(output, target) to return a micro-batch's loss")
+
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        inputs, target = batch
+        return inputs, target
+
+    def pipeline_forward(self, inputs: Any) -> Any:
+        """Run all layers in order — the unpipelined forward, for use in ``forward``/``training_step``."""
+        for layer in self.pipeline_layers():
+            inputs = layer(*inputs) if isinstance(inputs, tuple) else layer(inputs)
+        return inputs
+
+
+REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
+
+
+def check_hooks(module: nn.Module) -> None:
+    """Raise a TypeError naming the missing hook when `module` cannot be pipelined."""
+    for hook in REQUIRED_HOOKS:
+        fn = getattr(module, hook, None)
+        base = getattr(PipelineHooks, hook)
+        if fn is None or getattr(fn, "__func__", None) is base:
+            raise TypeError(
+                f"strategy='bfpp' needs `{type(module).__name__}.{hook}()`: "
+                "see lightning_bfpp.PipelineHooks for the contract (README: 'Adapting a model')."
+            )

@@ -1,0 +1,70 @@
+# Scope: small functions over the (pipeline_parallel, data_parallel) DeviceMesh: build the mesh,
+# shard a stage over data parallel (FSDP2), share a value over ranks, global-norm gradient clipping.
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+PP, DP = "pipeline_parallel", "data_parallel"
+
+
+def build_mesh(device_type: str, pipeline_parallel: int, world_size: int) -> DeviceMesh:
+    """(pp, dp) mesh, dp innermost: the ranks of one data-parallel group are contiguous (same node)."""
+    if world_size % pipeline_parallel:
+        raise ValueError(
+            f"pipeline_parallel={pipeline_parallel} must divide the world size ({world_size} = devices x num_nodes)."
+        )
+    return init_device_mesh(device_type, (pipeline_parallel, world_size // pipeline_parallel), mesh_dim_names=(PP, DP))
+
+
+def shard_stage(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """FSDP2-shard one stage as a single unit: one all-gather per stage per pass.
+
+    Weights stay gathered after forward (``reshard_after_forward=False``): when to free and gather
+    them again is decided by the schedule's RESHARD/UNSHARD actions, not by FSDP's own hooks.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_grad_norm_global(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Clip by the norm over ALL parameters of the model: local stages' (sharded) grads, summed over the
+    pipeline group and, for sharded grads, the data-parallel group. Returns the total norm."""
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum()
+    for group in (pp_group, dp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.detach().mul_(coef.to(g.dtype))
+    return total
+
+
+def share_from_ranks(value: torch.Tensor | None, divide_by: int, device: torch.device) -> torch.Tensor:
+    """All-reduce (sum) a scalar that only some ranks have (others contribute 0), divided by `divide_by`.
+
+    Used for the loss: only last-stage ranks hold it, one per data-parallel replica.
+    """
+    t = torch.zeros((), dtype=torch.float64, device=device) if value is None else value.detach().double().reshape(())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return (t / divide_by).float()

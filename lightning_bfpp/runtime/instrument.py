@@ -1,0 +1,107 @@
+# Scope: measurements taken while a schedule runs: per-rank compute timeline (bubble) and
+# saved-activation bytes (allocator-independent memory), plus parameter/grad/optimizer bytes.
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class Timeline:
+    """Wraps PipelineStage compute calls and records (kind, stage, micro_batch, start, end)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, int, float, float]] = []
+
+    def attach(self, stage) -> None:
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            inner = getattr(stage, name)
+
+            def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _inner(mb, *args, **kwargs)
+                finally:
+                    self.events.append((_kind, stage.stage_index, mb, t0, time.perf_counter()))
+
+            setattr(stage, name, timed)
+
+    def stats(self, step_start: float, step_end: float) -> dict[str, float]:
+        busy = sum(e[4] - e[3] for e in self.events)
+        span = step_end - step_start
+        return {"compute_s": busy, "step_s": span, "bubble_fraction": (span - busy) / busy if busy else 0.0}
+
+
+class SavedActivationMeter:
+    """Peak bytes of tensors saved for backward (excluding parameters), counted once per storage."""
+
+    def __init__(self, params: Iterable[nn.Parameter]):
+        self._params = list(params)
+        self.live: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
+        self.current = 0
+        self.peak = 0
+
+    def _param_ptrs(self) -> set[int]:
+        ptrs = set()
+        for p in self._params:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            ptrs.add(local.untyped_storage().data_ptr())
+        return ptrs
+
+    @contextmanager
+    def track(self):
+        param_ptrs = self._param_ptrs()
+        meter = self
+
+        class _Held:
+            __slots__ = ("tensor", "ptr")
+
+            def __init__(self, t: torch.Tensor):
+                self.tensor, self.ptr = t, t.untyped_storage().data_ptr()
+                entry = meter.live.get(self.ptr)
+                if entry is None:
+                    meter.live[self.ptr] = [1, t.untyped_storage().nbytes()]
+                    meter.current += meter.live[self.ptr][1]
+                    meter.peak = max(meter.peak, meter.current)
+                else:
+                    entry[0] += 1
+
+            def __del__(self):
+                entry = meter.live.get(self.ptr)
+                if entry is not None:
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        meter.current -= entry[1]
+                        del meter.live[self.ptr]
+
+        def pack(t: torch.Tensor):
+            if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in param_ptrs or t.device.type == "meta":
+                return t
+            return _Held(t)
+
+        def unpack(x):
+            return x.tensor if isinstance(x, _Held) else x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield self
+
+
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    return sum(
+        local_bytes(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        for opt in optimizers
+        for state in opt.state.values()
+    )

@@ -1,0 +1,122 @@
+# Scope: run one rank's part of a schedule on its local stage modules: training step (forward +
+# backward of all micro-batches), forward-only evaluation, prediction. Device-agnostic.
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedule import Schedule, ScheduleSpec, build_schedule
+from .instrument import SavedActivationMeter, Timeline
+from .torch_bridge import build_runtime
+
+
+def _shape_key(inputs: Any) -> tuple:
+    items = inputs if isinstance(inputs, tuple) else (inputs,)
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in items)
+
+
+def _batch_size(inputs: Any) -> int:
+    first = inputs[0] if isinstance(inputs, tuple) else inputs
+    return first.shape[0]
+
+
+class PipelineRunner:
+    """Executes validated schedules for the local stages of one pipeline rank.
+
+    One torch runtime (with its own PipelineStages and p2p buffers) is kept per mode and input shape,
+    since shapes are inferred once per runtime.
+    """
+
+    def __init__(
+        self,
+        spec: ScheduleSpec,
+        modules: dict[int, nn.Module],
+        device: torch.device,
+        pp_group: dist.ProcessGroup | None,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        replicate_group: dist.ProcessGroup | None = None,
+    ):
+        self.spec = spec
+        self.modules = modules
+        self.device = device
+        self.pp_group = pp_group
+        self.loss_fn = loss_fn
+        self.replicate_group = replicate_group  # data-parallel group when grads are all-reduced, not sharded
+        self.schedules: dict[str, Schedule] = {"train": build_schedule(spec)}
+        self.schedules["eval"] = build_schedule(dataclasses.replace(spec, forward_only=True))
+        self._runtimes: dict[tuple, tuple[Any, list]] = {}
+        self.timeline = Timeline()
+        params = [p for m in modules.values() for p in m.parameters()]
+        self.meter = SavedActivationMeter(params)
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.spec.num_stages - 1 in self.modules
+
+    def _runtime(self, mode: str, inputs: Any):
+        key = (mode, _shape_key(inputs))
+        if key not in self._runtimes:
+            schedule = self.schedules["train" if mode == "train" else "eval"]
+            loss_fn = None if mode == "predict" else self.loss_fn
+            runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
+            for stage in stages:
+                self.timeline.attach(stage)
+            self._runtimes[key] = (runtime, stages)
+        return self._runtimes[key][0]
+
+    def _check_batch(self, inputs: Any) -> None:
+        n, m = _batch_size(inputs), self.spec.micro_batches
+        if n % m:
+            raise ValueError(
+                f"batch of {n} samples per data-parallel replica cannot be split into micro_batches={m}: "
+                "make the batch size a multiple of micro_batches (use drop_last=True for a ragged last batch)."
+            )
+
+    def _run(self, mode: str, inputs: Any, target: Any) -> tuple[Any, list[torch.Tensor]]:
+        self._check_batch(inputs)
+        runtime = self._runtime(mode, inputs)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        losses: list[torch.Tensor] = []
+        self.timeline.events.clear()
+        start = time.perf_counter()
+        if mode == "train":
+            with self.meter.track():
+                out = runtime.step(*args, target=target, losses=losses, return_outputs=False)
+        elif mode == "eval":
+            out = runtime.eval(*args, target=target, losses=losses)
+        else:
+            out = runtime.step(*args)
+        self.last_stats = self.timeline.stats(start, time.perf_counter())
+        return out, losses
+
+    def train_step(self, inputs: Any, target: Any) -> torch.Tensor | None:
+        """Forward and backward of all micro-batches; leaves reduced, 1/m-scaled grads in `.grad`.
+
+        Returns the mean micro-batch loss on the rank holding the last stage, else None.
+        """
+        self.meter.peak = self.meter.current
+        _, losses = self._run("train", inputs, target)
+        if self.replicate_group is not None:
+            for mod in self.modules.values():
+                for p in mod.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=self.replicate_group)  # gloo has no AVG
+                        p.grad.div_(dist.get_world_size(self.replicate_group))
+        return torch.stack([l.detach() for l in losses]).mean() if losses else None
+
+    def eval_step(self, inputs: Any, target: Any) -> torch.Tensor | None:
+        with torch.no_grad():
+            _, losses = self._run("eval", inputs, target)
+        return torch.stack([l.detach() for l in losses]).mean() if losses else None
+
+    def predict_step(self, inputs: Any) -> Any:
+        with torch.no_grad():
+            out, _ = self._run("predict", inputs, None)
+        return out

@@ -1,0 +1,101 @@
+# Scope: the vocabulary of a schedule — what one rank does, in order, during one training step.
+# Pure Python: no torch, no process group. Generators, lowering, validator, simulator and the
+# runtime all speak this one language.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
+LOOPED_SCHEDULES = ("breadth_first", "depth_first")
+
+
+class ScheduleError(ValueError):
+    """A schedule setting is illegal, or a generated schedule is invalid."""
+
+
+class Op(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    UNSHARD = "UNSHARD"  # all-gather a stage's weights (FSDP), asynchronous: waited by the next compute
+    RESHARD = "RESHARD"  # free the gathered weights (no communication)
+    REDUCE_GRAD = "REDUCE_GRAD"  # gradient reduce-scatter over data parallel + 1/m scaling
+    SEND_F = "SEND_F"  # send stage output of a micro-batch to the next stage's rank
+    RECV_F = "RECV_F"  # post the receive of a stage's input activation
+    SEND_B = "SEND_B"  # send input gradient of a micro-batch to the previous stage's rank
+    RECV_B = "RECV_B"  # post the receive of a stage's output gradient
+
+
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
+FSDP_OPS = (Op.UNSHARD, Op.RESHARD, Op.REDUCE_GRAD)
+P2P_OPS = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of one rank: `op` on `stage` (global stage index) for `micro_batch` (None for FSDP ops)."""
+
+    stage: int
+    op: Op
+    micro_batch: int | None = None
+
+    def __str__(self) -> str:  # "3F1", "2UNSHARD" — the notation torch.distributed.pipelining uses
+        mb = "" if self.micro_batch is None else str(self.micro_batch)
+        return f"{self.stage}{self.op.value}{mb}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE_OPS
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The knobs of a pipeline schedule (plain values, Hydra-friendly).
+
+    Attributes:
+        name: one of ``SCHEDULES``.
+        pipeline_parallel: number of pipeline ranks (pp).
+        loops: stages per pipeline rank; stage ``s`` lives on rank ``s % pp``.
+        micro_batches: micro-batches per optimizer step (m), split from the per-replica batch.
+        groups: breadth-first only — run the m micro-batches as ``groups`` sequential breadth-first
+            passes (accumulating gradients); divides activation memory, multiplies weight all-gathers.
+        reshard_after_forward: FSDP policy — free gathered weights after a stage's forward pass and
+            gather them again before its backward pass (less memory, twice the all-gathers).
+        forward_only: evaluation/prediction: forward actions only, no gradient reduction.
+    """
+
+    name: str = "breadth_first"
+    pipeline_parallel: int = 1
+    loops: int = 1
+    micro_batches: int = 1
+    groups: int = 1
+    reshard_after_forward: bool = False
+    forward_only: bool = False
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel * self.loops
+
+    def stage_rank(self, stage: int) -> int:
+        return stage % self.pipeline_parallel
+
+    def local_stages(self, rank: int) -> list[int]:
+        return list(range(rank, self.num_stages, self.pipeline_parallel))
+
+
+@dataclass
+class Schedule:
+    """Per-rank ordered action lists for one step, plus the spec that produced them."""
+
+    spec: ScheduleSpec
+    actions: dict[int, list[Action]] = field(default_factory=dict)
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.is_compute]
+
+    def fsdp_actions(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.op in FSDP_OPS]
+
+    def format(self) -> str:
+        """A compact text table: one line per rank."""
+        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in sorted(self.actions.items()))

@@ -1,0 +1,98 @@
+"""A small pipelinable LightningModule and its plain single-process reference (used by the tests)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_bfpp import PipelineHooks
+
+DIM, CLASSES, SAMPLES = 16, 5, 256
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class StackNet(PipelineHooks, LightningModule):
+    """embed -> blocks -> head; the ~15 lines that make it pipelinable are the three pipeline_* hooks."""
+
+    def __init__(self, n_blocks: int = 6, lr: float = 0.5):
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_blocks))
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def pipeline_layers(self):
+        return [self.embed, *self.blocks, self.head]
+
+    def pipeline_loss(self, output, target):
+        return F.cross_entropy(output, target)
+
+    def forward(self, x):
+        return self.pipeline_forward(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", self.pipeline_loss(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    return TensorDataset(torch.randn(SAMPLES, DIM, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+
+
+def loader(batch_size: int) -> DataLoader:
+    return DataLoader(dataset(), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+def lightning_batches(global_batch: int, data_parallel: int):
+    """The global batches Lightning's training sampler (DistributedSampler, shuffle, seed 0) yields:
+    batch t is the union of every data-parallel replica's t-th batch."""
+    ds = dataset()
+    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0)) for r in range(data_parallel)]
+    b = global_batch // data_parallel
+    for t in range(len(per_rank[0]) // b):
+        idx = [i for r in range(data_parallel) for i in per_rank[r][t * b : (t + 1) * b]]
+        yield ds.tensors[0][idx], ds.tensors[1][idx]
+
+
+def reference(
+    steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0
+):
+    """Plain single-process training on the same data order; returns (final state dict, per-batch losses)."""
+    torch.manual_seed(seed)
+    model = StackNet()
+    opt = model.configure_optimizers()
+    data = lightning_batches(global_batch, data_parallel)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(accumulate):
+            x, y = next(data)
+            loss = model.pipeline_loss(model(x), y)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -1,0 +1,126 @@
+"""Every layout and schedule reproduces plain single-process SGD training (same data order)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from exact_model import reference
+from launch import run_lightning, run_slurm, run_torchrun
+
+TOL = 1e-6
+STEPS, BATCH = 3, 16
+
+# (devices, config). Configs sharing a world size train one after another in one launch.
+WORLD4 = [
+    {"pp": 2, "loops": 2, "m": 2, "trace": True},
+    {"pp": 2, "loops": 1, "m": 2},
+    {"pp": 1, "loops": 1},
+    {"pp": 1, "loops": 2},
+    {"pp": 4, "loops": 1, "m": 4},
+    {"pp": 4, "loops": 2, "m": 4},
+    {"pp": 2, "loops": 2, "m": 2, "accumulate": 2},
+    {"pp": 2, "loops": 2, "m": 2, "clip": 0.05},
+    {"pp": 2, "loops": 1, "m": 4, "schedule": "gpipe"},
+    {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b"},
+    {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first"},
+    {"pp": 2, "loops": 2, "m": 4, "groups": 2},
+    {"pp": 2, "loops": 2, "m": 2, "reshard": True},
+    {"pp": 2, "loops": 2, "m": 2, "sharding": "none"},
+]
+WORLD2 = [
+    {"pp": 2, "loops": 1, "m": 2},
+    {"pp": 2, "loops": 2, "m": 2},
+    {"pp": 1, "loops": 1, "m": 2},
+    {"pp": 1, "loops": 2, "m": 2},
+    {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first", "accumulate": 2, "clip": 0.05},
+]
+WORLD1 = [{"pp": 1, "loops": 1}, {"pp": 1, "loops": 2, "m": 2}]
+
+
+def _id(devices: int, cfg: dict) -> str:
+    return f"w{devices}-" + "-".join(f"{k}{v}" for k, v in cfg.items() if k != "trace")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launch each world size once (Lightning's own popen launcher), lazily."""
+    cache: dict[int, list] = {}
+
+    def get(devices: int):
+        if devices not in cache:
+            configs = {1: WORLD1, 2: WORLD2, 4: WORLD4}[devices]
+            cache[devices] = run_lightning(tmp_path_factory.mktemp(f"w{devices}"), devices, configs)
+        return cache[devices]
+
+    return get
+
+
+def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None:
+    pp = cfg.get("pp", 1)
+    dp = devices // pp
+    ref_params, ref_losses = reference(STEPS, BATCH, dp, cfg.get("accumulate", 1), cfg.get("clip"))
+    # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
+    owners: dict[str, set[int]] = {}
+    for rank, r in enumerate(ranks):
+        for name in r["params"]:
+            owners.setdefault(name, set()).add(rank // dp)
+    assert set(owners) == set(ref_params)
+    assert all(len(o) == 1 for o in owners.values()), {n: o for n, o in owners.items() if len(o) > 1}
+    params = {n: t for r in ranks for n, t in r["params"].items()}
+    diff = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    assert diff <= TOL, f"max |param - reference| = {diff:.3g}"
+    # train_loss: identical on every rank, equal to the reference's loss of the same batches
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"]
+    assert len(ranks[0]["losses"]) == len(ref_losses)
+    assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_losses)) <= TOL
+    # sharded across data parallel: local shard shapes add up to the full tensor, bytes split ~evenly
+    sharded = cfg.get("sharding", "full") == "full" and dp > 1
+    for rank, r in enumerate(ranks):
+        for name, shape in r["local_shapes"].items():
+            full = tuple(ref_params[name].shape)
+            if sharded:
+                # FSDP2 splits dim 0 into dp chunks of ceil(rows / dp) (the last ones may be short or empty)
+                dp_index = rank % dp
+                chunk = math.ceil(full[0] / dp)
+                rows = min(max(full[0] - dp_index * chunk, 0), chunk)
+                assert shape == (rows, *full[1:]), (name, shape, full)
+            else:
+                assert shape == full
+    if sharded:
+        for name in ref_params:
+            rows = sum(r["local_shapes"][name][0] for r in ranks if name in r["local_shapes"])
+            assert rows == ref_params[name].shape[0]
+
+
+@pytest.mark.parametrize("devices,cfg", [(4, c) for c in WORLD4] + [(2, c) for c in WORLD2] + [(1, c) for c in WORLD1],
+                         ids=lambda v: None)
+def test_matches_single_process_reference(runs, devices, cfg):
+    ranks = runs(devices)[({4: WORLD4, 2: WORLD2, 1: WORLD1}[devices]).index(cfg)]
+    _check_against_reference(ranks, cfg, devices)
+
+
+def test_runtime_issues_fsdp_collectives_in_schedule_order(runs):
+    """Instrumented FSDP all-gathers and reduce-scatters of step 2 follow the schedule's FSDP actions."""
+    ranks = runs(4)[0]
+    for r in ranks:
+        expected = [(op, s) for op, s in r["schedule_fsdp"] if op in ("UNSHARD", "REDUCE_GRAD")]
+        assert r["fsdp_trace"] == expected
+        assert len(r["fsdp_trace"]) == 4  # two local stages: one gather and one reduce each per step
+
+
+def test_torchrun_launch(tmp_path):
+    cfg = {"pp": 2, "loops": 2, "m": 2}
+    ranks = run_torchrun(tmp_path, 2, [cfg])[0]
+    assert {r["cluster_env"] for r in ranks} == {"TorchElasticEnvironment"}
+    _check_against_reference(ranks, cfg, 2)
+
+
+def test_slurm_launch(tmp_path):
+    cfg = {"pp": 2, "loops": 1, "m": 2}
+    ranks = run_slurm(tmp_path, 2, [cfg])[0]
+    assert {r["cluster_env"] for r in ranks} == {"SLURMEnvironment"}
+    _check_against_reference(ranks, cfg, 2)

@@ -52,6 +52,13 @@ class StackNet(PipelineHooks, LightningModule):
         x, y = batch
         self.log("val_loss", self.pipeline_loss(self(x), y))
 
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", self.pipeline_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
@@ -96,3 +103,23 @@ def reference(
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def reference_eval(state: dict, data_parallel: int, per_replica: int, limit: int | None = None):
+    """(mean loss, outputs of data-parallel rank 0) as Lightning's eval loops see them: unshuffled
+    DistributedSampler per replica; each step's loss averaged over replicas, then over steps."""
+    model = StackNet()
+    model.load_state_dict(state)
+    ds = dataset()
+    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=False)) for r in range(data_parallel)]
+    steps = len(per_rank[0]) // per_replica if limit is None else limit
+    with torch.no_grad():
+        step_losses = []
+        for t in range(steps):
+            losses = []
+            for r in range(data_parallel):
+                idx = per_rank[r][t * per_replica : (t + 1) * per_replica]
+                losses.append(model.pipeline_loss(model(ds.tensors[0][idx]), ds.tensors[1][idx]).item())
+            step_losses.append(sum(losses) / data_parallel)
+        outputs = model(ds.tensors[0][per_rank[0]])
+    return sum(step_losses) / len(step_losses), outputs

@@ -2,7 +2,7 @@
 
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
-trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
+eval (validate/test/predict after fit), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
 """
@@ -76,17 +76,23 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("clip"), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[record],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=2 if cfg.get("eval") else 0, val_check_interval=2, callbacks=[record],
     )
     dp = devices // cfg.get("pp", 1)
-    trainer.fit(model, train_dataloaders=loader(cfg.get("batch", 16) // dp))
+    per_replica = cfg.get("batch", 16) // dp
+    trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica))
+    evaluated = {}
+    if cfg.get("eval"):  # forward-only pipelines after training: validate, test, predict
+        evaluated["val_loss"] = trainer.validate(model, loader(per_replica), verbose=False)[0]["val_loss"]
+        evaluated["test_loss"] = trainer.test(model, loader(per_replica), verbose=False)[0]["test_loss"]
+        evaluated["predictions"] = torch.cat(trainer.predict(model, loader(per_replica)))
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {"params": params, "local_shapes": local, "losses": record.losses, "stats": strategy.step_stats,
-         "fsdp_trace": record.events, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
+         "fsdp_trace": record.events, **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
                                                        strategy.schedule.fsdp_actions(strategy.device_mesh["pipeline_parallel"].get_local_rank())]},
         out / f"rank{trainer.global_rank}.pt",
     )

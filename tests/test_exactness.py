@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from exact_model import reference
+from exact_model import reference, reference_eval
 from launch import run_lightning, run_slurm, run_torchrun
 
 TOL = 1e-6
@@ -29,6 +29,7 @@ WORLD4 = [
     {"pp": 2, "loops": 2, "m": 4, "groups": 2},
     {"pp": 2, "loops": 2, "m": 2, "reshard": True},
     {"pp": 2, "loops": 2, "m": 2, "sharding": "none"},
+    {"pp": 2, "loops": 2, "m": 2, "eval": True},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -36,6 +37,7 @@ WORLD2 = [
     {"pp": 1, "loops": 1, "m": 2},
     {"pp": 1, "loops": 2, "m": 2},
     {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first", "accumulate": 2, "clip": 0.05},
+    {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "eval": True},
 ]
 WORLD1 = [{"pp": 1, "loops": 1}, {"pp": 1, "loops": 2, "m": 2}]
 
@@ -101,6 +103,23 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
 def test_matches_single_process_reference(runs, devices, cfg):
     ranks = runs(devices)[({4: WORLD4, 2: WORLD2, 1: WORLD1}[devices]).index(cfg)]
     _check_against_reference(ranks, cfg, devices)
+
+
+@pytest.mark.parametrize("devices,index", [(4, len(WORLD4) - 1), (2, len(WORLD2) - 1)])
+def test_validate_test_predict_run_forward_only_pipelines(runs, devices, index):
+    """val/test loss (identical on every rank) and predictions (on every rank) equal a plain forward of
+    the same trained parameters (training itself is checked against the reference above)."""
+    cfg = {4: WORLD4, 2: WORLD2}[devices][index]
+    assert cfg.get("eval")
+    ranks = runs(devices)[index]
+    dp = devices // cfg["pp"]
+    state = {n: t for r in ranks for n, t in r["params"].items()}
+    val_ref, _ = reference_eval(state, dp, BATCH // dp, limit=2)
+    test_ref, outputs_ref = reference_eval(state, dp, BATCH // dp)
+    for rank, r in enumerate(ranks):
+        assert abs(r["val_loss"] - val_ref) <= TOL and abs(r["test_loss"] - test_ref) <= TOL
+        if rank % dp == 0:  # data-parallel replica 0: every pipeline rank returns the last stage's outputs
+            assert (r["predictions"] - outputs_ref).abs().max().item() <= TOL
 
 
 def test_runtime_issues_fsdp_collectives_in_schedule_order(runs):

@@ -1,0 +1,148 @@
+"""Schedules as data: generation, legality, lowering, validation. No processes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from lightning_bfpp.schedule import (
+    SCHEDULES, Action, Op, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
+    validate,
+)
+
+
+def _legal(spec: ScheduleSpec) -> bool:
+    try:
+        check_spec(spec)
+        return True
+    except ScheduleError:
+        return False
+
+
+def test_every_legal_combination_validates_and_illegal_ones_are_rejected():
+    built = rejected = 0
+    for name, pp, loops, m in itertools.product(SCHEDULES, range(1, 9), range(1, 5), range(1, 17)):
+        spec = ScheduleSpec(name, pp, loops, m)
+        looped_ok = name in ("breadth_first", "depth_first") or loops == 1
+        expected = looped_ok and not (loops > 1 and (m < pp if name == "breadth_first" else False)) and not (
+            name == "depth_first" and loops > 1 and m % pp
+        )
+        assert _legal(spec) == expected, spec
+        if not expected:
+            rejected += 1
+            continue
+        sched = build_schedule(spec)  # validates
+        for rank in range(pp):
+            stages = sorted({a.stage for a in sched.compute_actions(rank)})
+            assert stages == spec.local_stages(rank)
+        built += 1
+    assert built == 938 and rejected == 1110  # counted once by hand-checked rules above
+
+
+@pytest.mark.parametrize("variant", [{"reshard_after_forward": True}, {"forward_only": True}, {"groups": 2}])
+def test_variants_validate_over_a_grid(variant):
+    for pp, loops, m in itertools.product(range(1, 6), range(1, 4), range(2, 13, 2)):
+        spec = ScheduleSpec("breadth_first", pp, loops, m, **variant)
+        if _legal(spec):
+            build_schedule(spec)
+
+
+@pytest.mark.parametrize(
+    "kwargs, setting",
+    [
+        ({"name": "breadth_first", "pipeline_parallel": 4, "loops": 2, "micro_batches": 2}, "micro_batches"),
+        ({"name": "gpipe", "pipeline_parallel": 2, "loops": 2, "micro_batches": 4}, "loops=2"),
+        ({"name": "1f1b", "pipeline_parallel": 2, "loops": 3, "micro_batches": 4}, "loops=3"),
+        ({"name": "depth_first", "pipeline_parallel": 4, "loops": 2, "micro_batches": 6}, "divisible by pipeline_parallel"),
+        ({"name": "depth_first", "micro_batches": 4, "groups": 2}, "groups=2"),
+        ({"name": "breadth_first", "micro_batches": 5, "groups": 2}, "divisible by groups"),
+        ({"name": "zigzag"}, "schedule='zigzag'"),
+        ({"name": "gpipe", "micro_batches": 0}, "micro_batches=0"),
+    ],
+)
+def test_illegal_settings_name_the_setting(kwargs, setting):
+    with pytest.raises(ScheduleError, match=setting.replace("(", r"\(")):
+        check_spec(ScheduleSpec(**kwargs))
+
+
+def test_breadth_first_golden_lowering():
+    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2))
+    assert " ".join(map(str, sched.actions[0])) == (
+        "0UNSHARD 2UNSHARD 0F0 0SEND_F0 2RECV_F0 0F1 0SEND_F1 2RECV_F1 2F0 2SEND_F0 2RECV_B0 2F1 2SEND_F1 2RECV_B1 "
+        "2B0 2SEND_B0 0RECV_B0 2B1 2SEND_B1 2REDUCE_GRAD 2RESHARD 0RECV_B1 0B0 0B1 0REDUCE_GRAD 0RESHARD"
+    )
+
+
+def test_breadth_first_is_earliest_stage_first_depth_first_earliest_micro_batch_first():
+    bf = compute_order(ScheduleSpec("breadth_first", 2, 2, 4))[0]
+    fwd = [(a.stage, a.micro_batch) for a in bf if a.op == Op.FORWARD]
+    assert fwd == [(0, 0), (0, 1), (0, 2), (0, 3), (2, 0), (2, 1), (2, 2), (2, 3)]
+    df = compute_order(ScheduleSpec("depth_first", 2, 2, 4))[0]
+    fwd = [(a.stage, a.micro_batch) for a in df if a.op == Op.FORWARD]
+    assert fwd == [(0, 0), (0, 1), (2, 0), (2, 1), (0, 2), (0, 3), (2, 2), (2, 3)]
+
+
+def _fsdp(sched: Schedule, rank: int, op: Op) -> list[int]:
+    return [a.stage for a in sched.actions[rank] if a.op == op]
+
+
+def test_breadth_first_fsdp_points_follow_the_paper():
+    spec = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=3, micro_batches=4)
+    sched = build_schedule(spec)
+    for rank in range(2):
+        acts = sched.actions[rank]
+        stages = spec.local_stages(rank)
+        assert sorted(_fsdp(sched, rank, Op.UNSHARD)) == stages  # gathered once per step
+        for s, nxt in zip(stages, stages[1:]):  # prefetch: next stage's gather issued before s computes
+            first_compute = next(i for i, a in enumerate(acts) if a.stage == s and a.is_compute)
+            assert acts.index(Action(nxt, Op.UNSHARD)) < first_compute
+        for s in stages:  # reduce right after the stage's last backward
+            last_b = max(i for i, a in enumerate(acts) if a.stage == s and a.op == Op.BACKWARD)
+            following = [a for a in acts[last_b + 1:] if a.op not in (Op.SEND_B, Op.RECV_B, Op.RECV_F)]
+            assert following[0] == Action(s, Op.REDUCE_GRAD)
+
+
+def test_reshard_after_forward_and_groups_multiply_gathers():
+    base = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
+    keep = build_schedule(base)
+    reshard = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4, reshard_after_forward=True))
+    groups = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4, groups=2))
+    for rank in range(2):
+        first, last = base.local_stages(rank)
+        assert len(_fsdp(keep, rank, Op.UNSHARD)) == 2
+        # the last local stage turns from forward to backward with nothing in between: stays gathered
+        assert _fsdp(reshard, rank, Op.UNSHARD).count(first) == 2 and _fsdp(reshard, rank, Op.UNSHARD).count(last) == 1
+        # each group gathers again, except the first stage whose backward of group 0 runs straight into
+        # its forward of group 1 (kept gathered)
+        assert _fsdp(groups, rank, Op.UNSHARD).count(first) == 1 and _fsdp(groups, rank, Op.UNSHARD).count(last) == 2
+        assert len(_fsdp(groups, rank, Op.REDUCE_GRAD)) == 2  # gradients reduced once, after the last group
+
+
+def _swap(sched: Schedule, rank: int, a: Action, b: Action) -> Schedule:
+    acts = list(sched.actions[rank])
+    i, j = acts.index(a), acts.index(b)
+    acts[i], acts[j] = acts[j], acts[i]
+    return Schedule(sched.spec, {**sched.actions, rank: acts})
+
+
+def test_validator_catches_misordered_receives_deadlocks_and_missing_gathers():
+    sched = build_schedule(ScheduleSpec("breadth_first", 2, 2, 2))
+    with pytest.raises(ScheduleError, match="sender's order"):
+        validate(_swap(sched, 1, Action(1, Op.RECV_F, 0), Action(1, Op.RECV_F, 1)))
+    with pytest.raises(ScheduleError, match="deadlocks"):  # rank 1 waits for stage-2 output before sending stage 1's
+        validate(_swap(sched, 1, Action(1, Op.FORWARD, 0), Action(3, Op.FORWARD, 0)))
+    no_gather = Schedule(sched.spec, {r: [a for a in acts if a != Action(0, Op.UNSHARD)] for r, acts in sched.actions.items()})
+    with pytest.raises(ScheduleError, match="without gathered weights"):
+        validate(no_gather)
+    no_reduce = Schedule(sched.spec, {r: [a for a in acts if a.op != Op.REDUCE_GRAD] for r, acts in sched.actions.items()})
+    with pytest.raises(ScheduleError, match="never runs REDUCE_GRAD"):
+        validate(no_reduce)
+
+
+def test_lowered_lists_pair_every_send_with_a_receive():
+    spec = ScheduleSpec("depth_first", 4, 2, 8)
+    acts = lower(spec, compute_order(spec))
+    sends = sum(a.op in (Op.SEND_F, Op.SEND_B) for r in acts.values() for a in r)
+    recvs = sum(a.op in (Op.RECV_F, Op.RECV_B) for r in acts.values() for a in r)
+    assert sends == recvs == 2 * 8 * (spec.num_stages - 1)

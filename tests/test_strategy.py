@@ -1,0 +1,89 @@
+"""Strategy settings, registration and the model contract, checked without starting processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from lightning.pytorch import Trainer
+from torch import nn
+
+import lightning_bfpp
+from exact_model import StackNet
+from launch import ROOT, clean_env
+from lightning_bfpp import BFPPStrategy, ScheduleError
+from lightning_bfpp.partition import RemoteLayer, balanced_layout, split_stages
+
+
+def test_string_name_registers_the_strategy():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="bfpp", logger=False)
+    assert isinstance(trainer.strategy, BFPPStrategy)
+    assert trainer.strategy.spec.name == "breadth_first"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"schedule": "gpipe", "loops": 2}, ScheduleError, "schedule=gpipe is not looped"),
+        ({"pipeline_parallel": 4, "loops": 2, "micro_batches": 2}, ScheduleError, "micro_batches"),
+        ({"sharding": "zero2"}, ValueError, "sharding='zero2'"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        BFPPStrategy(**kwargs)
+
+
+def test_world_size_not_divisible_fails_before_launch():
+    with pytest.raises(ValueError, match="pipeline_parallel=2 must divide the world size 3"):
+        Trainer(accelerator="cpu", devices=3, strategy=BFPPStrategy(pipeline_parallel=2), logger=False)
+
+
+def test_balanced_layout_minimises_heaviest_stage():
+    assert balanced_layout([10, 1, 1, 1, 1, 10], 3) == [1, 4, 1]
+    assert balanced_layout([1] * 8, 4) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="need at least as many layers"):
+        balanced_layout([1, 1], 3)
+
+
+def test_split_keeps_global_names_and_removes_remote_layers():
+    model = StackNet(n_blocks=6)
+    full_keys = set(model.state_dict())
+    local, names = split_stages(model, model.pipeline_layers(), 4, [1, 3], lambda s: s % 2, layout=[2, 2, 2, 2])
+    assert names == [["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3", "blocks.4"], ["blocks.5", "head"]]
+    assert set(local[1].state_dict()) == {k for k in full_keys if k.startswith(("blocks.1.", "blocks.2."))}
+    assert set(model.state_dict()) == set(local[1].state_dict()) | set(local[3].state_dict())
+    assert isinstance(model.embed, RemoteLayer) and len(model.blocks) == 6
+    with pytest.raises(RuntimeError, match="lives on another pipeline rank"):
+        model.embed(None)
+
+
+def test_layout_and_parameter_coverage_errors():
+    model = StackNet(n_blocks=2)
+    with pytest.raises(ValueError, match="stage_layers=\\[1, 1\\] must list 2 positive layer counts"):
+        split_stages(model, model.pipeline_layers(), 2, [0], lambda s: s, layout=[1, 1])
+    model.extra = nn.Linear(2, 2)  # a parameter outside every pipeline layer
+    with pytest.raises(ValueError, match="not inside any of pipeline_layers"):
+        split_stages(model, model.pipeline_layers(), 2, [0], lambda s: s)
+
+
+def test_model_without_hooks_gets_a_clear_error():
+    script = (
+        "import torch, lightning as L, lightning_bfpp\n"
+        "from torch.utils.data import DataLoader\n"
+        "class M(L.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(2, 2)\n"
+        "    def training_step(self, b, i): return self.l(b).sum()\n"
+        "    def configure_optimizers(self): return torch.optim.SGD(self.parameters(), 0.1)\n"
+        "L.Trainer(accelerator='cpu', devices=1, strategy='bfpp', max_steps=1, logger=False)"
+        ".fit(M(), DataLoader(torch.randn(4, 2), batch_size=2))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "needs `M.pipeline_layers()`" in res.stderr
+
+
+def test_package_exports():
+    assert {"BFPPStrategy", "PipelineHooks", "ScheduleSpec", "build_schedule"} <= set(lightning_bfpp.__all__)

@@ -39,6 +39,15 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first", "accumulate": 2, "clip": 0.05},
     {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "eval": True},
 ]
+# Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
+MEMORY = {
+    "gpipe": {"pp": 2, "loops": 1, "m": 8, "schedule": "gpipe", "batch": 32},
+    "1f1b": {"pp": 2, "loops": 1, "m": 8, "schedule": "1f1b", "batch": 32},
+    "breadth_first": {"pp": 2, "loops": 2, "m": 8, "schedule": "breadth_first", "batch": 32},
+    "depth_first": {"pp": 2, "loops": 2, "m": 8, "schedule": "depth_first", "batch": 32},
+    "breadth_first_groups4": {"pp": 2, "loops": 2, "m": 8, "groups": 4, "batch": 32},
+}
+WORLD2 += list(MEMORY.values())
 WORLD1 = [{"pp": 1, "loops": 1}, {"pp": 1, "loops": 2, "m": 2}]
 
 
@@ -63,7 +72,7 @@ def runs(tmp_path_factory):
 def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None:
     pp = cfg.get("pp", 1)
     dp = devices // pp
-    ref_params, ref_losses = reference(STEPS, BATCH, dp, cfg.get("accumulate", 1), cfg.get("clip"))
+    ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"))
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}
     for rank, r in enumerate(ranks):
@@ -120,6 +129,19 @@ def test_validate_test_predict_run_forward_only_pipelines(runs, devices, index):
         assert abs(r["val_loss"] - val_ref) <= TOL and abs(r["test_loss"] - test_ref) <= TOL
         if rank % dp == 0:  # data-parallel replica 0: every pipeline rank returns the last stage's outputs
             assert (r["predictions"] - outputs_ref).abs().max().item() <= TOL
+
+
+def test_saved_activation_memory_follows_the_papers_ordering(runs):
+    """Peak saved-activation bytes per rank: BF ~ GPipe >= DF ~ 1F1B; groups divide BF's peak."""
+    peak = {}
+    for name, cfg in MEMORY.items():
+        ranks = runs(2)[WORLD2.index(cfg)]
+        peak[name] = max(r["stats"]["memory"]["activation_peak_bytes"] for r in ranks)
+    print(peak)
+    assert 0.8 <= peak["breadth_first"] / peak["gpipe"] <= 1.25
+    assert 0.6 <= peak["depth_first"] / peak["1f1b"] <= 1.6
+    assert peak["gpipe"] >= 2 * peak["1f1b"] and peak["breadth_first"] >= 2 * peak["depth_first"]
+    assert 2.5 <= peak["breadth_first"] / peak["breadth_first_groups4"] <= 5
 
 
 def test_runtime_issues_fsdp_collectives_in_schedule_order(runs):

@@ -36,7 +36,8 @@ class Timeline:
 
 
 class SavedActivationMeter:
-    """Peak bytes of tensors saved for backward (excluding parameters), counted once per storage."""
+    """Peak bytes of tensors saved for backward, counted once per storage; parameters and the step's
+    input batch (which exist whatever the schedule) are excluded."""
 
     def __init__(self, params: Iterable[nn.Parameter]):
         self._params = list(params)
@@ -52,8 +53,8 @@ class SavedActivationMeter:
         return ptrs
 
     @contextmanager
-    def track(self):
-        param_ptrs = self._param_ptrs()
+    def track(self, exclude: Iterable[torch.Tensor] = ()):
+        param_ptrs = self._param_ptrs() | {t.untyped_storage().data_ptr() for t in exclude}
         meter = self
 
         class _Held:

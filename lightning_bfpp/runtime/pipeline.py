@@ -87,7 +87,8 @@ class PipelineRunner:
         self.timeline.events.clear()
         start = time.perf_counter()
         if mode == "train":
-            with self.meter.track():
+            batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
+            with self.meter.track(exclude=batch):
                 out = runtime.step(*args, target=target, losses=losses, return_outputs=False)
         elif mode == "eval":
             out = runtime.eval(*args, target=target, losses=losses)

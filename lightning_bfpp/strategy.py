@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -12,13 +13,16 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from . import checkpoint as ckpt
 from .hooks import check_hooks
 from .parallel import DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage
 from .partition import split_stages
+from .resume import skip_consumed_batches
 from .runtime.instrument import local_bytes, optimizer_bytes
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, check_spec
@@ -38,7 +42,10 @@ class BFPPStrategy(ModelParallelStrategy):
         sharding: "full" (FSDP2 over data parallel) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward.
         stage_layers: explicit layer count per stage (default: balanced by parameter count).
-        process_group_backend, timeout, save_distributed_checkpoint: as in ModelParallelStrategy.
+        process_group_backend, timeout: as in ModelParallelStrategy (timeout bounds every distributed wait).
+
+    Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
+    parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
     """
 
     strategy_name = "bfpp"
@@ -55,12 +62,11 @@ class BFPPStrategy(ModelParallelStrategy):
         stage_layers: Sequence[int] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        save_distributed_checkpoint: bool = True,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -179,6 +185,40 @@ class BFPPStrategy(ModelParallelStrategy):
             clip_grad_norm_global(plugin.main_params(optimizer), float(clip_val), pp_group, dp_group)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.optimizer_state(self.model, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not supported.")
+        path = Path(self.broadcast(filepath))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        checkpoint["bfpp"] = {"schedule": self.spec.name, "pipeline_parallel": self.spec.pipeline_parallel,
+                              "loops": self.spec.loops, "data_parallel": self.data_parallel,
+                              "stage_layers": self.stage_layer_names}
+        ckpt.save(path, state, checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """On a mid-epoch resume, start the training loader after the batches the checkpoint had trained on
+        (`processed`: a ModelCheckpoint saving in on_train_batch_end has not yet counted its batch `completed`)."""
+        trainer = self.lightning_module.trainer
+        if trainer.training and trainer.fit_loop.restarting:
+            return skip_consumed_batches(dataloader, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return dataloader
 
     # ---- steps ---------------------------------------------------------------------------------
     @override

@@ -26,9 +26,10 @@ class Block(nn.Module):
 class StackNet(PipelineHooks, LightningModule):
     """embed -> blocks -> head; the ~15 lines that make it pipelinable are the three pipeline_* hooks."""
 
-    def __init__(self, n_blocks: int = 6, lr: float = 0.5):
+    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd"):
         super().__init__()
-        self.lr = lr
+        self.save_hyperparameters()
+        self.lr, self.opt = lr, opt
         self.embed = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_blocks))
         self.head = nn.Linear(DIM, CLASSES)
@@ -60,6 +61,8 @@ class StackNet(PipelineHooks, LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self):
+        if self.opt == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr / 50, weight_decay=0.1)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 

@@ -2,7 +2,8 @@
 
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
-eval (validate/test/predict after fit), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
+eval (validate/test/predict after fit), opt (sgd|adamw),
+save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_model import StackNet, loader  # noqa: E402
@@ -65,7 +67,7 @@ class Record(Callback):
 
 def run(cfg: dict, devices: int, out: Path) -> None:
     torch.manual_seed(0)
-    model = StackNet()
+    model = StackNet(opt=cfg.get("opt", "sgd"))
     strategy = BFPPStrategy(
         pipeline_parallel=cfg.get("pp", 1), loops=cfg.get("loops", 1), micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), groups=cfg.get("groups", 1),
@@ -73,15 +75,22 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         timeout=timedelta(seconds=120),
     )
     record = Record(cfg.get("trace", False))
+    callbacks = [record]
+    if cfg.get("save_every"):
+        callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}", every_n_train_steps=cfg["save_every"],
+                                         save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("clip"), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2 if cfg.get("eval") else 0, val_check_interval=2, callbacks=[record],
+        enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=2 if cfg.get("eval") else 0, val_check_interval=2, callbacks=callbacks,
     )
     dp = devices // cfg.get("pp", 1)
     per_replica = cfg.get("batch", 16) // dp
-    trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica))
+    trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica),
+                ckpt_path=cfg.get("resume"))
+    if cfg.get("save"):
+        trainer.save_checkpoint(cfg["save"])
     evaluated = {}
     if cfg.get("eval"):  # forward-only pipelines after training: validate, test, predict
         evaluated["val_loss"] = trainer.validate(model, loader(per_replica), verbose=False)[0]["val_loss"]

@@ -1,0 +1,95 @@
+"""Sharded checkpoints: exact resume, resume in other layouts, export, safe saving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_bfpp.checkpoint as ckpt
+from exact_model import StackNet, reference_eval
+from launch import run_lightning
+
+STEPS = 6
+
+
+def _cfg(pp, loops, m, opt, **kw):
+    return {"pp": pp, "loops": loops, "m": m, "steps": STEPS, "opt": opt, **kw}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    # original layouts, uninterrupted, saving every 3 steps: pp=2 loops=2 at dp=1 (world 2) and dp=2 (world 4)
+    w2 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp1-{opt}")) for opt in ("sgd", "adamw")]
+    out["dp1"] = dict(zip(("sgd", "adamw"), run_lightning(root / "w2", 2, w2)))
+    w4 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp2-{opt}")) for opt in ("sgd", "adamw")]
+    w4 += [_cfg(2, 2, 2, opt, resume=str(root / f"dp2-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
+    w4 += [_cfg(4, 1, 4, opt, resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
+    w4 += [_cfg(2, 2, 2, opt, sharding="full", resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
+    # (w4 must wait for w2's checkpoints, so it is a second launch)
+    r4 = run_lightning(root / "w4", 4, w4)
+    out["dp2"] = dict(zip(("sgd", "adamw"), r4[0:2]))
+    out["dp2-resumed"] = dict(zip(("sgd", "adamw"), r4[2:4]))
+    out["pp4-from-dp1"] = dict(zip(("sgd", "adamw"), r4[4:6]))
+    out["dp2-from-dp1"] = dict(zip(("sgd", "adamw"), r4[6:8]))
+    w1 = [_cfg(1, 1, 1, opt, resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
+    out["pp1-from-dp1"] = dict(zip(("sgd", "adamw"), run_lightning(root / "w1", 1, w1)))
+    out["root"] = root
+    return out
+
+
+def _params(ranks):
+    return {n: t for r in ranks for n, t in r["params"].items()}
+
+
+def _compare(resumed, original, tol):
+    assert all(r["losses"] == resumed[0]["losses"] for r in resumed)  # same on every rank
+    got, want = resumed[0]["losses"], original[0]["losses"][3:]
+    assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= tol, (got, want)
+    a, b = _params(resumed), _params(original)
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= tol
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_exact_resume_same_layout(runs, opt):
+    """6 steps uninterrupted == 3 steps, checkpoint, resume, 3 steps (pp=2, loops=2, dp=2)."""
+    _compare(runs["dp2-resumed"][opt], runs["dp2"][opt], 1e-6)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("layout", ["pp4-from-dp1", "pp1-from-dp1", "dp2-from-dp1"])
+def test_resume_in_another_layout(runs, layout, opt):
+    """A pp=2 loops=2 dp=1 checkpoint continues at pp=4 loops=1, in one process, and at dp=2."""
+    _compare(runs[layout][opt], runs["dp1"][opt], 1e-5)
+
+
+def test_export_loads_strict_and_gives_the_same_loss(runs, tmp_path):
+    folder = runs["root"] / "dp1-adamw" / "step=6.ckpt"
+    out = tmp_path / "model.ckpt"
+    ckpt.main([str(folder), str(out)])
+    model = StackNet()
+    model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
+    trained = _params(runs["dp1"]["adamw"])
+    assert max((model.state_dict()[k] - trained[k]).abs().max().item() for k in trained) == 0.0
+    assert reference_eval(model.state_dict(), 1, 16)[0] == reference_eval(trained, 1, 16)[0]
+    loaded = StackNet.load_from_checkpoint(out)  # hyper-parameters travel with the export
+    assert loaded.opt == "adamw"
+
+
+def test_interrupted_save_is_never_a_checkpoint(tmp_path, monkeypatch):
+    target = tmp_path / "step=3.ckpt"
+
+    def crash(state, checkpoint_id):
+        checkpoint_id.mkdir(parents=True)
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"partial")
+        raise RuntimeError("killed mid-save")
+
+    monkeypatch.setattr(ckpt.dcp, "save", crash)
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        ckpt.save(target, {"state_dict": {"w": torch.zeros(2)}}, {"global_step": 3})
+    assert not target.exists() and not ckpt.is_sharded(target)
+    assert [p.name.startswith(".step=3.ckpt.tmp-") for p in tmp_path.iterdir()] == [True]
+    with pytest.raises(FileNotFoundError, match="neither a bfpp checkpoint folder"):
+        ckpt.load(target, StackNet(), [])

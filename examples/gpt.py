@@ -1,0 +1,180 @@
+# Scope: the example model — a byte-level, nanoGPT-style GPT as a LightningModule that opts into
+# bfpp through PipelineHooks. It trains the same way with or without `strategy="bfpp"`.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_bfpp.hooks import PipelineHooks
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4  # transformer blocks (the pipeline cuts between layers: embedding, blocks, head)
+    n_head: int = 4  # attention heads; n_embd must be divisible by it
+    n_embd: int = 128  # width of the residual stream
+    block_size: int = 64  # context length in tokens (bytes)
+    vocab_size: int = 256  # 256 for byte-level text
+    dropout: float = 0.0  # dropout on attention, MLP and embedding outputs
+    tie_weights: bool = False  # share the token embedding with the output head (pp == 1 only)
+    activation_checkpointing: bool = False  # recompute each block in backward instead of saving activations
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 3e-3  # peak learning rate (after warmup)
+    weight_decay: float = 0.1  # applied to weight matrices and embeddings only, not to biases or norms
+    betas: tuple[float, float] = (0.9, 0.95)  # adamw only
+    momentum: float = 0.9  # sgd only
+    warmup_steps: int = 20  # linear warmup from 0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+
+
+class Embedding(nn.Module):
+    """idx (B, T) int64 -> token + position embeddings (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.dropout, self.checkpointing = cfg.n_head, cfg.dropout, cfg.activation_checkpointing
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout)
+        )
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, C)
+        x = x + self.resid_drop(self.proj(y))
+        return x + self.mlp(self.ln_2(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Head(nn.Module):
+    """(B, T, C) -> logits (B, T, V)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(PipelineHooks, L.LightningModule):
+    def __init__(self, cfg: GPTConfig, optim: OptimConfig | None = None) -> None:
+        super().__init__()
+        assert cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}"
+        self.cfg, self.optim = cfg, optim or OptimConfig()
+        self.embedding = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.head = Head(cfg)
+        if cfg.tie_weights:
+            self.head.lm_head.weight = self.embedding.tok.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
+            if name.endswith(("proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    # ---- PipelineHooks: the contract bfpp cuts along ----
+    def pipeline_layers(self) -> list[nn.Module]:
+        return [self.embedding, *self.blocks, self.head]
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))  # mean nats per byte
+
+    def setup(self, stage: str) -> None:
+        strategy = self.trainer.strategy
+        stages = getattr(strategy, "pipeline_parallel", 1) * getattr(strategy, "loops", 1)
+        if self.cfg.tie_weights and stages > 1:
+            raise ValueError(
+                f"model.tie_weights=true needs a single pipeline stage (got pipeline_parallel * loops = {stages}): the "
+                "tied embedding would live in both the first and the last stage. Set model.tie_weights=false, or "
+                "schedule.pipeline_parallel=1 schedule.loops=1."
+            )
+
+    # ---- plain Lightning (no bfpp): the same loss under the same names ----
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.pipeline_forward(idx)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = self.pipeline_inputs(batch)
+        return self.pipeline_loss(self(x), y)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        o = self.optim
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if o.name == "adamw":
+            opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+        elif o.name == "sgd":
+            opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+        else:
+            raise ValueError(f"optim.name={o.name!r} is not one of: adamw, sgd")
+        total = max(self.trainer.max_steps, 1) if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, o.warmup_steps, total, o.min_lr_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to `min_ratio` at `total` steps (and flat after)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L C T (attention scores), as in PaLM/nanoGPT."""
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -1,0 +1,123 @@
+# Scope: a byte-level text corpus that needs no download — the Python standard library's own .py
+# files, read in sorted order and capped — plus the LightningDataModule the examples train on.
+# NOTE: the corpus is deterministic for one Python build; another Python version means other bytes.
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """All .py files under the stdlib directory (installed packages excluded), sorted by relative path."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def load_corpus(max_bytes: int = 8_000_000, root: str | Path | None = None) -> bytes:
+    """The first `max_bytes` bytes of the concatenated stdlib sources (files joined by a blank line)."""
+    chunks, size = [], 0
+    for path in stdlib_files(root):
+        data = path.read_bytes() + b"\n\n"
+        chunks.append(data[: max_bytes - size])
+        size += len(chunks[-1])
+        if size >= max_bytes:
+            break
+    return b"".join(chunks)
+
+
+def split_corpus(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
+    """Deterministic split: the last `val_fraction` of the bytes is validation (files stay mostly whole)."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    cut = int(len(data) * (1.0 - val_fraction))
+    return data[:cut], data[cut:]
+
+
+class ByteWindows(Dataset):
+    """(x, y) windows over a byte string: x = bytes[i*stride : i*stride+T], y = the same shifted by one."""
+
+    def __init__(self, data: bytes, block_size: int, stride: int | None = None) -> None:
+        self.data = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        self.block_size, self.stride = block_size, stride or block_size
+        if len(self.data) < block_size + 1:
+            raise ValueError(f"corpus of {len(self.data)} bytes is shorter than block_size + 1 = {block_size + 1}")
+
+    def __len__(self) -> int:
+        return (len(self.data) - self.block_size - 1) // self.stride + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.stride
+        chunk = self.data[start : start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def replica_batch_size(batch_size: int, data_parallel: int, micro_batches: int = 1) -> int:
+    """The per-process DataLoader batch for a GLOBAL `batch_size` (checked to split evenly)."""
+    if batch_size % (data_parallel * micro_batches):
+        raise ValueError(
+            f"data.batch_size={batch_size} (global, per optimizer step) must be divisible by "
+            f"data_parallel * micro_batches = {data_parallel} * {micro_batches} = {data_parallel * micro_batches}; "
+            f"try data.batch_size={max(1, batch_size // (data_parallel * micro_batches)) * data_parallel * micro_batches}."
+        )
+    return batch_size // data_parallel
+
+
+class CorpusDataModule(L.LightningDataModule):
+    """Stdlib byte corpus. `batch_size` is the global batch per step; each data-parallel replica loads
+    batch_size / data_parallel (pipeline ranks of one replica load the same samples)."""
+
+    def __init__(
+        self,
+        block_size: int = 64,
+        batch_size: int = 32,
+        max_bytes: int = 8_000_000,
+        val_fraction: float = 0.05,
+        stride: int | None = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+        data_parallel: int | None = None,
+        micro_batches: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.block_size, self.batch_size, self.max_bytes = block_size, batch_size, max_bytes
+        self.val_fraction, self.stride, self.seed, self.num_workers = val_fraction, stride, seed, num_workers
+        self.data_parallel, self.micro_batches = data_parallel, micro_batches
+        self.train_set: ByteWindows | None = None
+        self.val_set: ByteWindows | None = None
+
+    def _layout(self) -> tuple[int, int]:
+        """(data_parallel, micro_batches): given explicitly, else read from the trainer's strategy."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        dp = self.data_parallel or getattr(strategy, "data_parallel", None) or getattr(strategy, "world_size", 1)
+        mb = self.micro_batches or getattr(strategy, "micro_batches", None) or 1
+        return int(dp), int(mb)
+
+    @property
+    def per_replica_batch_size(self) -> int:
+        return replica_batch_size(self.batch_size, *self._layout())
+
+    def setup(self, stage: str | None = None) -> None:
+        self.per_replica_batch_size  # fail early, naming the settings
+        if self.train_set is None:
+            train, val = split_corpus(load_corpus(self.max_bytes), self.val_fraction)
+            self.train_set = ByteWindows(train, self.block_size, self.stride)
+            self.val_set = ByteWindows(val, self.block_size, self.block_size)
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.per_replica_batch_size, shuffle=True, generator=gen,
+                          drop_last=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.per_replica_batch_size, shuffle=False, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

@@ -1,0 +1,169 @@
+# Scope: what a training run reports besides the loss — throughput (tokens/s, model FLOP/s, MFU),
+# the pipeline bubble and per-rank memory from `strategy.step_stats`, the schedule picture, and a
+# `summary.json` at the end. Works with any strategy; pipeline numbers appear only under bfpp.
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+
+log = logging.getLogger(__name__)
+
+MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+
+
+def _per_rank(memory: Any) -> list[dict]:
+    """`step_stats["memory"]` as a list of per-rank dicts (accepts {rank: {...}} or [{...}, ...])."""
+    if isinstance(memory, dict):
+        if memory and all(isinstance(v, dict) for v in memory.values()):
+            return list(memory.values())
+        return [memory]
+    return list(memory or [])
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().mean())
+    return None if value is None else float(value)
+
+
+class PipelineMetrics(Callback):
+    """Logs per step: `tokens_per_s`, `step_s`, `model_flops_per_s`, `mfu` (when `peak_flops` is given),
+    `bubble_fraction`, `compute_s` and `mem/<kind>_max` (max over ranks) from `strategy.step_stats`.
+
+    Args:
+        flops_per_token: training FLOPs per token of the model (forward + backward); None: no FLOP/s.
+        peak_flops: peak FLOP/s of ONE device; MFU = model FLOP/s / (peak_flops * world_size).
+        out_dir: where `summary.json` (and `schedule.png`) go; None: not written.
+        summary_extra: constant entries added to summary.json (e.g. the config's schedule settings).
+        log_schedule: draw the strategy's schedule once and log it (W&B image, file in out_dir).
+        warmup_steps: steps left out of the summary's averages (first steps pay for setup).
+        validate_at_end: also validate after the last step (`trainer.max_steps`), so the summary's
+            `val_loss` is the final model's, whatever `val_check_interval` is.
+    """
+
+    def __init__(
+        self,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        out_dir: str | Path | None = None,
+        summary_extra: dict | None = None,
+        log_schedule: bool = True,
+        warmup_steps: int = 2,
+        validate_at_end: bool = True,
+    ) -> None:
+        self.validate_at_end = validate_at_end
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.summary_extra, self.log_schedule, self.warmup_steps = dict(summary_extra or {}), log_schedule, warmup_steps
+        self.history: list[dict[str, float]] = []
+        self.last_val_step: int | None = None
+        self._t0 = 0.0
+
+    # ---- per step ----
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step_s = time.perf_counter() - self._t0
+        strategy = trainer.strategy
+        dp = getattr(strategy, "data_parallel", None) or trainer.world_size
+        inputs, _ = pl_module.pipeline_inputs(batch) if hasattr(pl_module, "pipeline_inputs") else batch
+        tokens = inputs.numel() * dp  # every data-parallel replica processes a different slice of the batch
+        row = {"tokens_per_s": tokens / step_s, "step_s": step_s}
+        if self.flops_per_token:
+            row["model_flops_per_s"] = row["tokens_per_s"] * self.flops_per_token
+            if self.peak_flops:
+                row["mfu"] = row["model_flops_per_s"] / (self.peak_flops * trainer.world_size)
+        stats = getattr(strategy, "step_stats", None)
+        if stats:
+            for key in ("bubble_fraction", "compute_s"):
+                if stats.get(key) is not None:
+                    row[key] = float(stats[key])
+            if stats.get("step_s") is not None:
+                row["pipeline_step_s"] = float(stats["step_s"])
+            ranks = _per_rank(stats.get("memory"))
+            for key in MEMORY_KEYS:
+                values = [r[key] for r in ranks if r.get(key) is not None]
+                if values:
+                    row[f"mem/{key}_max"] = float(max(values))
+        for key, value in row.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=key in ("tokens_per_s", "bubble_fraction"))
+        loss = _scalar(trainer.callback_metrics.get("train_loss"))
+        self.history.append({"step": trainer.global_step, **row, **({"train_loss": loss} if loss is not None else {})})
+        if self.validate_at_end and 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True  # the epoch loop validates when asked to stop (see _should_check_val_fx)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.last_val_step = trainer.global_step
+
+    # ---- once ----
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        schedule = getattr(trainer.strategy, "schedule", None)
+        if not (self.log_schedule and schedule is not None and trainer.is_global_zero):
+            return
+        try:
+            from lightning_bfpp.schedule.draw import draw_schedule
+        except ImportError:
+            log.info("lightning_bfpp.schedule.draw is not available: no schedule picture")
+            return
+        if self.out_dir is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        spec = getattr(schedule, "spec", schedule)  # a Schedule, or already its ScheduleSpec
+        try:  # draw_schedule(spec, path) simulates the schedule with unit costs and writes a PNG
+            path = Path(draw_schedule(spec, self.out_dir / "schedule.png") or self.out_dir / "schedule.png")
+        except Exception as err:  # a picture must never stop training
+            log.warning(f"could not draw the schedule: {err!r}")
+            return
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_image"):  # WandbLogger
+                logger.log_image(key="schedule", images=[str(path)], caption=[str(getattr(spec, "name", ""))])
+
+    def summary(self, trainer: L.Trainer) -> dict[str, Any]:
+        """Final numbers: last losses, and averages over the steps after the first `warmup_steps`."""
+        rows = self.history[self.warmup_steps :] or self.history
+        strategy = trainer.strategy
+
+        def mean(key: str) -> float | None:
+            values = [r[key] for r in rows if key in r]
+            return sum(values) / len(values) if values else None
+
+        out: dict[str, Any] = dict(self.summary_extra)
+        out.update(
+            train_loss=_scalar(trainer.callback_metrics.get("train_loss")),
+            val_loss=_scalar(trainer.callback_metrics.get("val_loss")),
+            val_step=self.last_val_step,
+            steps=trainer.global_step,
+            world_size=trainer.world_size,
+            tokens_per_s=mean("tokens_per_s"),
+            step_s=mean("step_s"),
+            model_flops_per_s=mean("model_flops_per_s"),
+            mfu=mean("mfu"),
+            bubble_fraction=mean("bubble_fraction"),
+            strategy=type(strategy).__name__,
+        )
+        for key in ("schedule_name", "pipeline_parallel", "data_parallel", "loops", "micro_batches"):
+            value = getattr(strategy, key, None)
+            if value is not None:
+                out["schedule" if key == "schedule_name" else key] = value
+        out.setdefault("data_parallel", trainer.world_size)
+        stats = getattr(strategy, "step_stats", None)
+        if stats and stats.get("memory") is not None:
+            out["memory"] = stats["memory"]
+        return out
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.out_dir is None or not trainer.is_global_zero:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        summary = self.summary(trainer)
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        log.info(f"summary: {json.dumps(summary, default=str)}")

@@ -1,0 +1,17 @@
+"""Cost model, step simulator and layout planner over the schedules of `lightning_bfpp.schedule`.
+
+>>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
+>>> from lightning_bfpp.sim import simulate, unit_costs
+>>> sched = build_schedule(ScheduleSpec("gpipe", pipeline_parallel=2, micro_batches=4))
+>>> round(simulate(sched, unit_costs(2, 2)).bubble, 6)  # (pp - 1) / m
+0.25
+"""
+
+from .cost import Cluster, Costs, Model, StageCost, build_costs, ring_time, unit_costs
+from .memory import MemoryReport, memory_report
+from .simulate import MEGATRON, Event, SimOptions, SimResult, evaluate, simulate
+
+__all__ = [
+    "Cluster", "Costs", "Model", "StageCost", "build_costs", "ring_time", "unit_costs", "MemoryReport",
+    "memory_report", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
+]

@@ -1,0 +1,214 @@
+# Scope: analytic costs of one training step's pieces — per-stage compute time, FSDP collective time,
+# pipeline p2p time, parameter and activation bytes — from the Hydra `model` and `cluster` dicts.
+# No schedule logic here: `simulate.py` plays a schedule's action lists against these numbers.
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+# Bytes per parameter (mixed precision, Adam): fp32 master (4) + fp32 grad (4) + Adam m, v (8) held per
+# rank (divided by dp under full sharding), plus bf16 compute weights (2) while a stage is gathered and a
+# bf16 unsharded gradient (2) from a stage's first backward until its reduction.
+STATE_BYTES = 16
+WEIGHT_BYTES = 2
+GRAD_BYTES = 2
+ACT_BYTES = 2  # bf16 activations and p2p messages
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the simulator needs from a `conf/cluster/*.yaml` dict (bytes/s, FLOP/s, seconds)."""
+
+    devices: int  # per node
+    num_nodes: int
+    flops: float  # achieved FLOP/s per device
+    device_memory: float
+    intra_bw: float
+    inter_bw: float
+    latency: float
+    overhead: float = 0.0  # seconds added to every forward and backward action (launch / Python cost)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping) -> Cluster:
+        """`achieved_flops` wins; else `peak_flops * compute_efficiency` (default efficiency 0.5).
+        Optional `compute_overhead`: seconds added to every forward/backward action."""
+        flops = cfg.get("achieved_flops")
+        if flops is None:
+            if cfg.get("peak_flops") is None:
+                raise ValueError(
+                    f"cluster={cfg.get('name')!r} has neither achieved_flops nor peak_flops; add "
+                    "`achieved_flops: <FLOP/s per device>` to the cluster yaml (examples/calibrate.py measures it)."
+                )
+            flops = float(cfg["peak_flops"]) * float(cfg.get("compute_efficiency", 0.5))
+        return cls(
+            devices=int(cfg["devices"]), num_nodes=int(cfg.get("num_nodes", 1)), flops=float(flops),
+            device_memory=float(cfg["device_memory"]), intra_bw=float(cfg["intra_node_bandwidth"]),
+            inter_bw=float(cfg["inter_node_bandwidth"]), latency=float(cfg.get("latency", 0.0)),
+            overhead=float(cfg.get("compute_overhead") or 0.0),
+        )
+
+    def group_bandwidth(self, ranks: Sequence[int]) -> float:
+        """Ring bandwidth of a group of global ranks: intra-node only if all share one node."""
+        return self.intra_bw if len({r // self.devices for r in ranks}) <= 1 else self.inter_bw
+
+
+@dataclass(frozen=True)
+class Model:
+    """Transformer shape from a `conf/model/*.yaml` dict (GPT: embedding, n_layer blocks, untied head)."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    seq: int
+    vocab: int
+    checkpointing: bool = False
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping) -> Model:
+        return cls(int(cfg["n_layer"]), int(cfg["n_head"]), int(cfg["n_embd"]), int(cfg["block_size"]),
+                   int(cfg["vocab_size"]), bool(cfg.get("activation_checkpointing", False)))
+
+    # Layers in pipeline order, as examples/gpt.py's pipeline_layers(): [embedding, *blocks, head].
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer + 2
+
+    def layer_params(self) -> list[int]:
+        h = self.n_embd
+        block = 12 * h * h + 13 * h  # qkv + proj + 4h MLP (with biases) + 2 layer norms
+        return [self.vocab * h + self.seq * h] + [block] * self.n_layer + [self.vocab * h + 2 * h]
+
+    def layer_forward_flops(self) -> list[float]:
+        """Forward FLOPs per token per layer: 2 x params for matmuls, plus 4*seq*h for attention scores
+        and values (non-causal count, as Megatron's formula); the embedding lookup is free."""
+        h, s = self.n_embd, self.seq
+        block = 2 * (12 * h * h) + 4 * s * h
+        return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h]
+
+    def layer_activation_bytes(self, micro_batch_size: int) -> list[float]:
+        """Saved activations per micro-batch (Korthikanti et al. 2022, bf16, no tensor parallel):
+        s*b*h*(34 + 5*a*s/h) per block, or its input only (2*s*b*h) with activation checkpointing;
+        the head keeps bf16 + fp32 logits."""
+        h, s, a, b = self.n_embd, self.seq, self.n_head, micro_batch_size
+        block = 2 * s * b * h if self.checkpointing else s * b * h * (34 + 5 * a * s / h)
+        return [float(ACT_BYTES * s * b * h)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token (forward + backward, no recompute): for MFU/tokens-per-second."""
+        return 3.0 * sum(self.layer_forward_flops())
+
+
+@lru_cache(maxsize=256)
+def _stage_layout(model: Model, num_stages: int) -> tuple[int, ...]:
+    from lightning_bfpp.partition import balanced_layout  # the runtime's own split: one source of truth
+
+    return tuple(balanced_layout(model.layer_params(), num_stages))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Costs of one pipeline stage for one micro-batch (seconds, parameter counts, bytes)."""
+
+    forward: float
+    backward: float
+    params: int
+    activation: float  # bytes kept from a micro-batch's forward until its backward
+    unshard: float = 0.0  # all-gather of the stage's weights over dp
+    reduce: float = 0.0  # reduce-scatter (full) or all-reduce (none) of its gradients over dp
+
+
+@dataclass
+class Costs:
+    """Everything the simulator needs for one layout. `p2p[(src, dst)]` is the seconds of one
+    activation (or gradient) message between pipeline ranks src and dst."""
+
+    stages: list[StageCost]
+    p2p: dict[tuple[int, int], float] = field(default_factory=dict)
+    sharding: str = "full"  # full: FSDP (gathered weights transient) | none: replicated weights
+    data_parallel: int = 1
+    tokens_per_step: int = 0  # per data-parallel replica
+    device_memory: float = float("inf")
+    flops_per_token: float = 0.0
+
+    def p2p_time(self, src: int, dst: int) -> float:
+        return self.p2p.get((src, dst), 0.0)
+
+    def without_comm(self) -> Costs:
+        """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
+        stages = [StageCost(s.forward, s.backward, s.params, s.activation) for s in self.stages]
+        return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
+                     self.flops_per_token)
+
+
+def ring_time(nbytes: float, group: int, bandwidth: float, latency: float) -> float:
+    """Ring all-gather or reduce-scatter of a tensor of `nbytes` (full size) over `group` ranks."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
+
+
+def build_costs(
+    model: Model,
+    cluster: Cluster,
+    *,
+    pipeline_parallel: int,
+    loops: int,
+    data_parallel: int,
+    micro_batch_size: int,
+    micro_batches: int,
+    sharding: str = "full",
+    stage_layers: Sequence[int] | None = None,
+) -> Costs:
+    """Per-stage costs of `model` cut into pipeline_parallel*loops stages on a (pp, dp) mesh of `cluster`.
+
+    NOTE: ranks are laid out as (pp, dp) with dp innermost: global rank = p * dp + d, so a dp group is
+    contiguous (intra-node when it fits in a node) and pipeline neighbours are dp ranks apart.
+    """
+    if sharding not in ("full", "none"):
+        raise ValueError(f"sharding={sharding!r} must be 'full' or 'none'.")
+    pp, dp = pipeline_parallel, data_parallel
+    num_stages = pp * loops
+    if stage_layers is None:
+        layout = _stage_layout(model, num_stages)
+    else:
+        layout = tuple(stage_layers)
+        if len(layout) != num_stages or sum(layout) != model.num_layers or min(layout) < 1:
+            raise ValueError(f"stage_layers={list(layout)} must list {num_stages} positive counts summing to "
+                             f"{model.num_layers} (embedding + n_layer blocks + head).")
+    params, flops, acts = model.layer_params(), model.layer_forward_flops(), model.layer_activation_bytes(micro_batch_size)
+    tokens = micro_batch_size * model.seq
+    recompute = 1.0 if model.checkpointing else 0.0
+    stages, start = [], 0
+    for s, n in enumerate(layout):
+        p = sum(params[start:start + n])
+        fwd = sum(flops[start:start + n]) * tokens / cluster.flops
+        rank = s % pp
+        bw = cluster.group_bandwidth([rank * dp + d for d in range(dp)])
+        gather = ring_time(WEIGHT_BYTES * p, dp, bw, cluster.latency) if sharding == "full" else 0.0
+        reduce = ring_time(GRAD_BYTES * p, dp, bw, cluster.latency) * (1 if sharding == "full" else 2)
+        backward = (2.0 + recompute) * fwd + cluster.overhead
+        stages.append(StageCost(fwd + cluster.overhead, backward, p, sum(acts[start:start + n]), gather, reduce))
+        start += n
+    message = ACT_BYTES * tokens * model.n_embd
+    p2p = {}
+    for src in range(pp):
+        for dst in {(src + 1) % pp, (src - 1) % pp} - {src}:
+            # the slowest replica sets the pace: inter-node if any replica's pair crosses a node
+            inter = any((src * dp + d) // cluster.devices != (dst * dp + d) // cluster.devices for d in range(dp))
+            p2p[(src, dst)] = cluster.latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
+    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, model.flops_per_token())
+
+
+def unit_costs(num_stages: int, pipeline_parallel: int, *, forward: float = 1.0, backward: float = 2.0,
+               unshard: float = 0.0, reduce: float = 0.0, p2p: float = 0.0, activation: float = 1.0,
+               params: int = 1, sharding: str = "full") -> Costs:
+    """Uniform stages (for pictures and closed-form tests): every stage costs the same."""
+    stages = [StageCost(forward, backward, params, activation, unshard, reduce) for _ in range(num_stages)]
+    pp = pipeline_parallel
+    links = {(a, b): p2p for a in range(pp) for b in ((a + 1) % pp, (a - 1) % pp) if a != b}
+    return Costs(stages, links, sharding, data_parallel=2 if (unshard or reduce) else 1)

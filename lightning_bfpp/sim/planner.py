@@ -1,0 +1,236 @@
+# Scope: search the layouts of a model on a cluster for one global batch size — (pp, dp), loops,
+# micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy — by
+# simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s.
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from lightning_bfpp.schedule import (
+    SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
+)
+
+from .cost import GRAD_BYTES, STATE_BYTES, WEIGHT_BYTES, Cluster, Costs, Model, build_costs
+from .simulate import SimOptions, SimResult, evaluate, simulate
+
+DEFAULT_LOOPS = (1, 2, 3, 4, 6, 8, 16)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: what `examples/train.py` needs to run it (plus the derived dp and micro-batch size)."""
+
+    schedule: str
+    pipeline_parallel: int
+    data_parallel: int
+    loops: int
+    micro_batches: int
+    micro_batch_size: int
+    groups: int = 1
+    sharding: str = "full"
+    reshard_after_forward: bool = False
+
+    def spec(self) -> ScheduleSpec:
+        return ScheduleSpec(self.schedule, self.pipeline_parallel, self.loops, self.micro_batches, self.groups,
+                            self.reshard_after_forward)
+
+    def overrides(self, *, cluster: str | None = None, model: str | None = None, batch_size: int | None = None) -> list[str]:
+        """Hydra overrides for examples/train.py."""
+        out = [
+            f"schedule={self.schedule}",
+            f"schedule.pipeline_parallel={self.pipeline_parallel}",
+            f"schedule.loops={self.loops}",
+            f"schedule.micro_batches={self.micro_batches}",
+            f"schedule.groups={self.groups}",
+            f"schedule.sharding={self.sharding}",
+            f"schedule.reshard_after_forward={str(self.reshard_after_forward).lower()}",
+        ]
+        out += [f"model={model}"] if model else []
+        out += [f"cluster={cluster}"] if cluster else []
+        out += [f"data.batch_size={batch_size}"] if batch_size else []
+        return out
+
+
+@dataclass
+class Plan:
+    """A simulated candidate. `bubble` is the pure pipeline bubble (comm-free run; filled for the top)."""
+
+    candidate: Candidate
+    tokens_per_second_per_device: float
+    step_time: float
+    peak_memory: float
+    fits: bool
+    bubble: float | None = None
+    exposed_comm: float | None = None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.candidate), **{k: v for k, v in asdict(self).items() if k != "candidate"}}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@lru_cache(maxsize=4096)
+def _schedule(spec: ScheduleSpec) -> Schedule:
+    """Lowered action lists without the validator (fast); chosen plans are validated afterwards."""
+    return Schedule(spec, lower(spec, compute_order(spec)))
+
+
+def candidates(
+    model: Model,
+    cluster: Cluster,
+    batch_size: int,
+    *,
+    schedules: Sequence[str] = SCHEDULES,
+    loops: Sequence[int] = DEFAULT_LOOPS,
+    shardings: Sequence[str] = ("full", "none"),
+    max_micro_batches: int = 64,
+    max_groups: int = 8,
+    min_pipeline_parallel: int = 1,
+    max_pipeline_parallel: int | None = None,
+) -> Iterable[Candidate]:
+    """Every legal layout using the whole cluster (world = pp * dp). pp=1 is plain FSDP/DDP with
+    gradient accumulation over the micro-batches (1f1b: forward/backward alternate; gpipe: all forwards
+    first); with loops > 1 the model is cut into `loops` FSDP units, and breadth_first runs each unit for
+    all micro-batches of a group before the next (weights gathered once per group)."""
+    world = cluster.world_size
+    for pp in _divisors(world):
+        dp = world // pp
+        if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world) or pp > model.num_layers or batch_size % dp:
+            continue
+        replica = batch_size // dp
+        for mbs in _divisors(replica):
+            m = replica // mbs
+            if m > max_micro_batches:
+                continue
+            for name in schedules:
+                for lp in loops if name in ("breadth_first", "depth_first") else (1,):
+                    if pp * lp > model.num_layers:
+                        continue
+                    if name == "depth_first" and lp == 1 and "1f1b" in schedules:
+                        continue  # the same order as 1f1b
+                    for groups in _divisors(m) if name == "breadth_first" else (1,):
+                        gpipe_twin = name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules
+                        if groups > max_groups or gpipe_twin:
+                            continue  # ungrouped, unlooped breadth-first is gpipe
+                        for sharding in shardings:
+                            for raf in (False, True) if sharding == "full" else (False,):
+                                c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf)
+                                try:
+                                    check_spec(c.spec())
+                                except ScheduleError:
+                                    continue
+                                yield c
+
+
+def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
+    return build_costs(model, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
+                       data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
+                       micro_batches=c.micro_batches, sharding=c.sharding)
+
+
+def simulate_candidate(model: Model, cluster: Cluster, c: Candidate, options: SimOptions = SimOptions(),
+                       *, timeline: bool = False) -> SimResult:
+    return simulate(_schedule(c.spec()), candidate_costs(model, cluster, c), options, timeline=timeline)
+
+
+def memory_lower_bound(c: Candidate, costs: Costs) -> float:
+    """Bytes some rank certainly needs (checked before lowering and simulating): its state, and the
+    activations a schedule must hold at once — breadth-first/GPipe run every forward of a group on all
+    local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches."""
+    pp, worst = c.pipeline_parallel, 0.0
+    for rank in range(pp):
+        local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
+        params = sum(st.params for st in local)
+        state = (STATE_BYTES / c.data_parallel if c.sharding == "full" else STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * params
+        act = sum(st.activation for st in local)
+        if c.schedule in ("gpipe", "breadth_first"):
+            live = c.micro_batches // c.groups * act
+        elif c.schedule == "1f1b" and rank == 0:
+            live = min(pp, c.micro_batches) * act
+        else:
+            live = max(st.activation for st in local)
+        gathered = WEIGHT_BYTES * max(st.params for st in local) if c.sharding == "full" else 0.0
+        worst = max(worst, state + live + gathered)
+    return worst
+
+
+def _family(c: Candidate) -> tuple:
+    return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding)
+
+
+def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
+    """Cheap pre-filter: the sharded/replicated state of the heaviest rank alone must fit."""
+    per_rank = sum(model.layer_params()) / c.pipeline_parallel
+    state = STATE_BYTES * per_rank / (c.data_parallel if c.sharding == "full" else 1)
+    return state < cluster.device_memory
+
+
+def search(
+    model: Model,
+    cluster: Cluster,
+    batch_size: int,
+    *,
+    options: SimOptions = SimOptions(),
+    top: int = 10,
+    include_unfit: bool = False,
+    schedules: Sequence[str] = SCHEDULES,
+    loops: Sequence[int] = DEFAULT_LOOPS,
+    shardings: Sequence[str] = ("full", "none"),
+    max_micro_batches: int = 64,
+    max_groups: int = 8,
+    min_pipeline_parallel: int = 1,
+    max_pipeline_parallel: int | None = None,
+) -> list[Plan]:
+    """Simulate the candidates; return plans sorted best first (fitting ones only unless include_unfit).
+
+    NOTE: more accumulation groups and resharding after forward only trade speed for memory (more
+    all-gathers, more bubble), so within a family (a candidate up to those two knobs) the search stops at
+    the first one that fits, trying groups=1 / no resharding first. The top `top` plans are validated and
+    re-simulated with the comm-free pass (bubble, exposed comm). The search-space knobs are those of
+    `candidates`; `options` says how the runtime waits (e.g. `SimOptions(blocking_reduce=True)` on CPU).
+    """
+    plans: list[Plan] = []
+    settled: set[tuple] = set()  # families (all but groups / reshard policy) that already have a fitting plan
+    space = candidates(model, cluster, batch_size, schedules=schedules, loops=loops, shardings=shardings,
+                       max_micro_batches=max_micro_batches, max_groups=max_groups,
+                       min_pipeline_parallel=min_pipeline_parallel, max_pipeline_parallel=max_pipeline_parallel)
+    for c in space:
+        family = _family(c)
+        if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
+            continue
+        costs = candidate_costs(model, cluster, c)
+        if not include_unfit and memory_lower_bound(c, costs) > cluster.device_memory:
+            continue
+        r = simulate(_schedule(c.spec()), costs, options, timeline=False)
+        fits = r.peak_memory <= cluster.device_memory
+        if fits and not include_unfit:
+            settled.add(family)
+        if fits or include_unfit:
+            plans.append(Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits))
+    plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_second_per_device, 6), p.peak_memory,
+                              p.candidate.micro_batches, p.candidate.loops, p.candidate.pipeline_parallel))
+    for p in plans[:top]:
+        build_schedule(p.candidate.spec())  # validator: raises ScheduleError on a broken schedule
+        r = evaluate(_schedule(p.candidate.spec()), candidate_costs(model, cluster, p.candidate), options, timeline=False)
+        p.bubble, p.exposed_comm = r.pipeline_bubble, r.exposed_comm
+    return plans
+
+
+def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
+    head = (f"{'#':>3} {'schedule':<13} {'pp':>3} {'dp':>4} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
+            f"{'shard':<5} {'raf':<5} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} {'exp.comm ms':>11}")
+    rows = [head, "-" * len(head)]
+    for i, p in enumerate(plans[:limit], 1):
+        c = p.candidate
+        bubble = "" if p.bubble is None else f"{p.bubble:.3f}"
+        exposed = "" if p.exposed_comm is None else f"{p.exposed_comm * 1e3:.1f}"
+        rows.append(
+            f"{i:>3} {c.schedule:<13} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.loops:>5} {c.micro_batches:>4} "
+            f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
+            f"{p.tokens_per_second_per_device:>11.1f} {p.step_time * 1e3:>9.1f} {p.peak_memory / 1e9:>8.2f} "
+            f"{bubble:>7} {exposed:>11}"
+        )
+    return "\n".join(rows)

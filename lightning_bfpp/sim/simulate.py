@@ -1,0 +1,264 @@
+# Scope: discrete-event simulation of one training step. Plays exactly the per-rank action lists of
+# `build_schedule(spec).actions` (the lists the runtime executes) against `cost.Costs`: one compute
+# stream per pipeline rank plus an all-gather stream, a reduce stream and one p2p link per rank pair.
+# Data-parallel peers are symmetric, so only the pp ranks of one replica are simulated.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from lightning_bfpp.schedule import Op, Schedule, ScheduleError
+
+from .cost import GRAD_BYTES, STATE_BYTES, WEIGHT_BYTES, Costs
+from .memory import MemoryReport, memory_report
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """How the runtime waits. Defaults: FSDP2-style (async all-gather and reduce-scatter streams, async p2p).
+
+    Attributes:
+        blocking_p2p: the sender's compute stream waits for its message to arrive (Megatron-style p2p).
+        reduce_at_end: gradient reductions run after the whole pipeline flush, one after the other
+            (Megatron-LM's data-parallel all-reduce), instead of at each REDUCE_GRAD.
+        blocking_reduce: the rank waits for each REDUCE_GRAD to finish (the CPU/gloo runtime does).
+    """
+
+    blocking_p2p: bool = False
+    reduce_at_end: bool = False
+    blocking_reduce: bool = False
+
+
+MEGATRON = SimOptions(blocking_p2p=True, reduce_at_end=True)
+
+
+class Event(NamedTuple):
+    """One interval on a rank's timeline. kind: F, B (compute), UNSHARD, REDUCE, SEND_F, SEND_B (comm)."""
+
+    rank: int
+    kind: str
+    stage: int
+    micro_batch: int | None
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """Predicted step of one data-parallel replica (pp ranks)."""
+
+    schedule: Schedule
+    step_time: float
+    timeline: list[Event]
+    busy: list[float]  # compute seconds per pipeline rank
+    memory: list[MemoryReport]  # per pipeline rank
+    tokens_per_step: int  # per replica
+    pipeline_bubble: float | None = None  # bubble of the same step with free communication
+    comm_free_step_time: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def bubble(self) -> float:
+        """Idle compute time / busy compute time over all ranks (pipeline bubble + exposed comm)."""
+        busy = sum(self.busy)
+        return (len(self.busy) * self.step_time - busy) / busy if busy else 0.0
+
+    @property
+    def exposed_comm(self) -> float | None:
+        """Seconds the step loses to communication (step time minus the comm-free step time)."""
+        return None if self.comm_free_step_time is None else self.step_time - self.comm_free_step_time
+
+    @property
+    def tokens_per_second_per_device(self) -> float:
+        return self.tokens_per_step / self.step_time / len(self.busy) if self.step_time else 0.0
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m.peak for m in self.memory)
+
+    def rank_timeline(self, rank: int) -> list[Event]:
+        return [e for e in self.timeline if e.rank == rank]
+
+
+class _Rank:
+    __slots__ = ("rank", "program", "pc", "host", "ag_free", "rs_free", "ready", "busy", "deferred", "mem", "grads")
+
+    def __init__(self, rank: int, program):
+        self.rank, self.program, self.pc = rank, program, 0
+        self.host = self.ag_free = self.rs_free = self.busy = 0.0
+        self.ready: dict[int, float] = {}  # stage -> time its gathered weights are usable
+        self.deferred: list[int] = []
+        self.mem: list[tuple[float, float, str]] = []  # (time, bytes delta, category)
+        self.grads: set[int] = set()  # stages holding an unsharded gradient
+
+
+_F, _B, _SEND, _UNSHARD, _RESHARD, _REDUCE = range(6)
+
+
+def _compile(schedule: Schedule) -> list[list[tuple]]:
+    """Per rank, the actions as tuples the simulator can play fast (receives are only posting points:
+    the consuming compute waits for the data). Cached on the schedule object."""
+    cached = schedule.__dict__.get("_sim_program")
+    if cached is not None:
+        return cached
+    spec = schedule.spec
+    last = spec.num_stages - 1
+    programs = []
+    for rank in range(spec.pipeline_parallel):
+        prog = []
+        for a in schedule.actions[rank]:
+            op, s, mb = a.op, a.stage, a.micro_batch
+            if op is Op.FORWARD or op is Op.BACKWARD:
+                fwd = op is Op.FORWARD
+                need = None if (s == 0 if fwd else s == last) else (s, fwd, mb)
+                nxt = s + 1 if fwd else s - 1
+                local = (nxt, fwd, mb) if 0 <= nxt <= last and spec.stage_rank(nxt) == rank else None
+                prog.append((_F if fwd else _B, s, mb, need, local))
+            elif op is Op.SEND_F or op is Op.SEND_B:
+                fwd = op is Op.SEND_F
+                dst = s + 1 if fwd else s - 1
+                prog.append((_SEND, s, mb, (rank, spec.stage_rank(dst)), (dst, fwd, mb), op.value))
+            elif op is Op.UNSHARD:
+                prog.append((_UNSHARD, s))
+            elif op is Op.RESHARD:
+                prog.append((_RESHARD, s))
+            elif op is Op.REDUCE_GRAD:
+                prog.append((_REDUCE, s))
+        programs.append(prog)
+    schedule.__dict__["_sim_program"] = programs
+    return programs
+
+
+def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *, timeline: bool = True) -> SimResult:
+    """Play `schedule` against `costs`; raise ScheduleError if the lists cannot make progress."""
+    spec = schedule.spec
+    pp, n_stages = spec.pipeline_parallel, spec.num_stages
+    if len(costs.stages) != n_stages:
+        raise ValueError(f"costs describe {len(costs.stages)} stages but the schedule has {n_stages}.")
+    full = costs.sharding == "full"
+    forward_only = spec.forward_only
+    ranks = [_Rank(r, prog) for r, prog in enumerate(_compile(schedule))]
+    inputs: dict[tuple, float] = {}  # (stage, is_forward, mb) -> time the compute's input is on its rank
+    links: dict[tuple[int, int], float] = {}
+    events: list[Event] = []
+    stages = costs.stages
+    blocking_p2p, reduce_at_end, blocking_reduce = options.blocking_p2p, options.reduce_at_end, options.blocking_reduce
+
+    def run(r: _Rank) -> bool:
+        """Play r's actions until one waits on data not yet produced; return whether any ran."""
+        prog, pc, n = r.program, r.pc, len(r.program)
+        start = pc
+        while pc < n:
+            a = prog[pc]
+            code, s = a[0], a[1]
+            st = stages[s]
+            if code <= _B:
+                need = a[3]
+                if need is None:
+                    t_in = 0.0
+                elif need in inputs:
+                    t_in = inputs[need]
+                else:
+                    break
+                ready = r.ready.get(s, 0.0)
+                t0 = r.host if r.host >= ready else ready
+                if t_in > t0:
+                    t0 = t_in
+                if code == _F:
+                    dur = st.forward
+                    r.mem.append((t0, st.activation, "activations"))
+                    if forward_only:
+                        r.mem.append((t0 + dur, -st.activation, "activations"))
+                else:
+                    dur = st.backward
+                    r.mem.append((t0 + dur, -st.activation, "activations"))
+                    if full and s not in r.grads:
+                        r.grads.add(s)
+                        r.mem.append((t0, GRAD_BYTES * st.params, "gradients"))
+                t1 = t0 + dur
+                if timeline:
+                    events.append(Event(r.rank, "F" if code == _F else "B", s, a[2], t0, t1))
+                r.host = t1
+                r.busy += dur
+                if a[4] is not None:
+                    inputs[a[4]] = t1
+            elif code == _SEND:
+                link = a[3]
+                t0 = max(r.host, links.get(link, 0.0))
+                t1 = t0 + costs.p2p_time(*link)
+                links[link] = t1
+                inputs[a[4]] = t1
+                if timeline and t1 > t0:
+                    events.append(Event(r.rank, a[5], s, a[2], t0, t1))
+                if blocking_p2p:
+                    r.host = t1
+            elif code == _UNSHARD:
+                if full:
+                    t0 = max(r.host, r.ag_free)
+                    r.ag_free = r.ready[s] = t0 + st.unshard
+                    r.mem.append((t0, WEIGHT_BYTES * st.params, "weights"))
+                    if timeline and st.unshard:
+                        events.append(Event(r.rank, "UNSHARD", s, None, t0, r.ag_free))
+                else:
+                    r.ready[s] = 0.0
+            elif code == _RESHARD:
+                if full:
+                    r.mem.append((r.host, -WEIGHT_BYTES * st.params, "weights"))
+            elif code == _REDUCE:
+                if reduce_at_end:
+                    r.deferred.append(s)
+                else:
+                    _reduce(r, s, costs, full, events if timeline else None)
+                    if blocking_reduce:
+                        r.host = r.rs_free
+            pc += 1
+        r.pc = pc
+        return pc > start
+
+    pending = list(ranks)
+    while pending:
+        progressed = False
+        for r in pending:
+            progressed |= run(r)
+        if not progressed:
+            stuck = "; ".join(f"rank {r.rank} at action #{r.pc}" for r in pending)
+            raise ScheduleError(f"simulation of {spec.name} cannot progress: {stuck}")
+        pending = [r for r in pending if r.pc < len(r.program)]
+
+    for r in ranks:
+        for s in r.deferred:
+            r.rs_free = max(r.rs_free, r.host)
+            _reduce(r, s, costs, full, events if timeline else None)
+    link_end = {src: t for (src, _), t in links.items()}
+    ends = [max(r.host, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in ranks]
+    step_time = max(ends)
+    memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), costs)) for r in ranks]
+    return SimResult(schedule, step_time, events, [r.busy for r in ranks], memory, costs.tokens_per_step)
+
+
+def _static_bytes(stages: list[int], costs: Costs) -> float:
+    """Bytes held for the whole step: sharded (full) or replicated (none) parameter/optimizer state."""
+    params = sum(costs.stages[s].params for s in stages)
+    if costs.sharding == "full":
+        return STATE_BYTES * params / costs.data_parallel
+    return (STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * params
+
+
+def _reduce(r: _Rank, s: int, costs: Costs, full: bool, events: list | None) -> None:
+    st = costs.stages[s]
+    t0 = max(r.host, r.rs_free)
+    r.rs_free = t0 + st.reduce
+    if events is not None and st.reduce:
+        events.append(Event(r.rank, "REDUCE", s, None, t0, r.rs_free))
+    if full and s in r.grads:
+        r.grads.discard(s)
+        r.mem.append((r.rs_free, -GRAD_BYTES * st.params, "gradients"))
+
+
+def evaluate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *, timeline: bool = True) -> SimResult:
+    """`simulate`, plus the comm-free run that gives the pure pipeline bubble and the exposed comm time."""
+    result = simulate(schedule, costs, options, timeline=timeline)
+    free = simulate(schedule, costs.without_comm(), SimOptions(), timeline=False)
+    result.comm_free_step_time = free.step_time
+    result.pipeline_bubble = free.bubble
+    return result

@@ -1,0 +1,200 @@
+# Scope: the application — Hydra configs compose, and the real command lines users type
+# (`python examples/train.py ...`, `-m` sweeps, torchrun) train, log and write summary.json.
+# Every run is a subprocess with a clean environment: Lightning's popen launcher re-runs argv.
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train.py"
+CONF = ROOT / "conf"
+FAST = ["trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
+SUMMARY_KEYS = {"train_loss", "val_loss", "tokens_per_s", "bubble_fraction", "schedule", "pipeline_parallel",
+                "data_parallel", "loops", "micro_batches", "world_size", "steps"}
+_LAUNCH_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "PL_GLOBAL_SEED")
+_LAUNCH_PREFIXES = ("WANDB_", "SLURM_", "TORCHELASTIC_")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher or W&B variables (a parent pytest may carry them)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith(_LAUNCH_PREFIXES)}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def run_cli(args: list[str], cwd: Path, launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = clean_env()
+    cmd = (launcher or [sys.executable]) + [str(TRAIN), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_summary(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys(), SUMMARY_KEYS - summary.keys()
+    assert summary["steps"] == 3 and summary["val_step"] == 3
+    assert 0 < summary["val_loss"] < 6 and 0 < summary["train_loss"] < 6 and summary["tokens_per_s"] > 0
+    return summary
+
+
+def read_wandb_offline(run_file: Path) -> list:
+    """Records of an offline W&B run (`run-*.wandb`): a LevelDB-style log of protobuf `Record`s.
+    wandb 0.31 has no Python reader any more; the format: 7-byte header (':W&B', magic, version),
+    then 32 KiB blocks of chunks `crc32:u32 length:u16 type:u8 payload` (1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = run_file.read_bytes(), 32 * 1024
+    assert data[:4] == b":W&B", f"{run_file} is not a W&B datastore"
+    pos, pending, records = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer too short for a header: zero padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(pb.Record.FromString(pending))
+            pending = b""
+    return records
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    rows = []
+    for rec in read_wandb_offline(run_file):
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item})
+    return rows
+
+
+# ---- no processes ----
+@pytest.mark.parametrize("schedule", ["breadth_first", "depth_first", "gpipe", "1f1b"])
+@pytest.mark.parametrize("cluster", ["cpu_1", "cpu_2", "cpu_4", "gpu_8", "slurm_gpu_64"])
+def test_configs_compose(schedule, cluster):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=[f"schedule={schedule}", f"cluster={cluster}"], return_hydra_config=False)
+    assert cfg.data.block_size == cfg.model.block_size
+    assert cfg.trainer.strategy == "bfpp" and cfg.logger.name == "wandb" and cfg.optim.name == "adamw"
+    assert cfg.schedule.name == schedule and cfg.cluster.name == cluster
+
+
+def test_schedule_keys_are_strategy_arguments():
+    from lightning_bfpp import BFPPStrategy
+
+    params = set(inspect.signature(BFPPStrategy).parameters)
+    for path in (CONF / "schedule").glob("*.yaml"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose("train", overrides=[f"schedule={path.stem}"])
+        keys = set(cfg.schedule) - {"name"} | {"schedule"}
+        assert keys <= params, f"{path.name}: {keys - params} are not BFPPStrategy arguments"
+
+
+# ---- one process ----
+def test_cli_plain_lightning_writes_summary_and_csv(tmp_path):
+    run_cli(["cluster=cpu_1", "cluster.peak_flops=1.0e12", "trainer.strategy=auto", "logger=csv", "data.batch_size=8",
+             *FAST, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    summary = read_summary(tmp_path / "run")
+    assert summary["schedule"] == "none" and summary["world_size"] == 1 and summary["bubble_fraction"] is None
+    assert summary["mfu"] == pytest.approx(summary["model_flops_per_s"] / 1.0e12)
+    (metrics,) = (tmp_path / "run").glob("csv/version_*/metrics.csv")
+    header = metrics.read_text().splitlines()[0].split(",")
+    assert {"train_loss", "val_loss", "tokens_per_s", "step_s", "model_flops_per_s", "mfu"} <= set(header)
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+
+
+def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
+    run_dir = tmp_path / "run"
+    run_cli(["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=2",
+             "logger=wandb", "data.batch_size=8", *FAST, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    summary = read_summary(run_dir)
+    assert summary["schedule"] == "breadth_first" and summary["pipeline_parallel"] == 1
+    assert summary["micro_batches"] == 2 and summary["data_parallel"] == 1
+    rows = wandb_history(run_dir)
+    logged = set().union(*rows)
+    assert {"train_loss", "val_loss", "tokens_per_s", "bubble_fraction", "trainer/global_step"} <= logged
+    assert any(key.startswith("mem/") for key in logged)
+    images = [row for row in rows if row.get("schedule/_type") == "images/separated" or "schedule/filenames" in row
+              or row.get("schedule/_type") == "image-file"]
+    assert images, f"no schedule image among logged keys {sorted(logged)}"
+    assert list(run_dir.glob("wandb/offline-run-*/files/media/images/schedule*.png"))
+    assert (run_dir / "schedule.png").exists()
+
+
+# ---- several processes (Lightning's popen launcher, torchrun) ----
+def test_cli_default_config_on_four_processes(tmp_path):
+    """`make train` at a few steps: cpu_4, breadth_first pp=2 x loops=2 -> dp=2."""
+    run_cli(["logger=csv", *FAST, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    summary = read_summary(tmp_path / "run")
+    assert summary["world_size"] == 4 and summary["pipeline_parallel"] == 2 and summary["data_parallel"] == 2
+    assert summary["loops"] == 2 and summary["schedule"] == "breadth_first"
+    assert summary["bubble_fraction"] >= 0  # idle / busy time: can pass 1 on a loaded machine
+    assert sorted(p.name for p in (tmp_path / "run").glob("*.log")) == [
+        "train.log", "train_ddp_process_1.log", "train_ddp_process_2.log", "train_ddp_process_3.log"]
+    assert not (tmp_path / "outputs").exists()  # children reused the parent's run dir
+
+
+def test_cli_multirun_sweeps_every_schedule_on_two_processes(tmp_path):
+    """`-m` with the popen launcher: each job's children run that job only, in that job's dir; each job
+    gets its own W&B run and a fresh process group."""
+    sweep = tmp_path / "sweep"
+    run_cli(["-m", "schedule=breadth_first,depth_first,gpipe,1f1b", "cluster=cpu_2", "schedule.micro_batches=2",
+             "data.batch_size=4", "logger=wandb", *FAST, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0_breadth_first", "1_depth_first", "2_gpipe", "3_1f1b"]
+    for job in jobs:
+        summary = read_summary(job)
+        assert job.name.endswith(summary["schedule"]) and summary["world_size"] == 2
+        assert summary["pipeline_parallel"] == 2 and summary["data_parallel"] == 1
+        assert (job / "train_ddp_process_1.log").exists()
+        assert len(list(job.glob("wandb/offline-run-*/run-*.wandb"))) == 1  # one W&B run per job, not one per sweep
+        assert "val_loss" in set().union(*wandb_history(job))
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_cli_torchrun_shares_one_run_dir(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    run_cli(["cluster=cpu_2", "schedule=gpipe", "schedule.micro_batches=2", "data.batch_size=4", "logger=csv", *FAST],
+            cwd=tmp_path, launcher=torchrun)
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    assert run_dir.name.startswith("torchrun-")
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 2 and summary["schedule"] == "gpipe"
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+
+
+def test_cli_slurm_tasks_share_one_run_dir(tmp_path):
+    """What `srun` does: start every task itself with SLURM_* set (here two local tasks, no srun)."""
+    slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242",
+             "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1"}
+    cmd = [sys.executable, str(TRAIN), "cluster=cpu_2", "schedule=1f1b", "schedule.micro_batches=2",
+           "data.batch_size=4", "logger=csv", *FAST]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(**slurm, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-5000:]
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    assert run_dir.name == "slurm-4242.0"
+    summary = read_summary(run_dir)
+    assert summary["world_size"] == 2 and summary["schedule"] == "1f1b"
+    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+
+
+def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
+    proc = subprocess.run([sys.executable, str(TRAIN), "cluster=cpu_1", "schedule.pipeline_parallel=1",
+                           "schedule.loops=1", "schedule.micro_batches=4", "data.batch_size=6", "logger=none", *FAST,
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "data.batch_size=6 (global, per optimizer step) must be divisible by" in proc.stdout + proc.stderr

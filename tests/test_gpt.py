@@ -1,0 +1,118 @@
+# Scope: the example GPT — layer shapes, the loss at init, the hooks, checkpointing, the optimizer.
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor  # noqa: E402
+
+from lightning_bfpp.hooks import check_hooks  # noqa: E402
+
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+
+
+def batch(b=4, t=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (b, t + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def test_layers_chain_with_documented_shapes():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    check_hooks(model)
+    layers = model.pipeline_layers()
+    assert len(layers) == CFG.n_layer + 2
+    x, _ = batch()
+    h = layers[0](x)
+    assert h.shape == (4, 16, 32)
+    for block in layers[1:-1]:
+        h = block(h)
+        assert h.shape == (4, 16, 32)
+    logits = layers[-1](h)
+    assert logits.shape == (4, 16, 256)
+    assert torch.equal(logits, model(x))
+
+
+def test_loss_at_init_is_uniform_over_bytes():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    loss = model._loss(batch())
+    assert abs(loss.item() - math.log(256)) < 0.1
+
+
+def test_attention_is_causal():
+    torch.manual_seed(0)
+    model = GPT(CFG).eval()
+    x, _ = batch()
+    y = x.clone()
+    y[:, 10:] = (y[:, 10:] + 1) % 256  # change the future only
+    assert torch.allclose(model(x)[:, :10], model(y)[:, :10], atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**CFG.__dict__, "activation_checkpointing": ckpt}))
+        model._loss(batch()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_tie_weights_refuses_pipelining():
+    model = GPT(GPTConfig(**{**CFG.__dict__, "tie_weights": True}))
+    assert model.head.lm_head.weight is model.embedding.tok.weight
+    for pp, loops in [(2, 1), (1, 2)]:
+        model.trainer = SimpleNamespace(strategy=SimpleNamespace(pipeline_parallel=pp, loops=loops))
+        with pytest.raises(ValueError, match=f"tie_weights=true needs a single pipeline stage .* = {pp * loops}"):
+            model.setup("fit")
+    model.trainer = SimpleNamespace(strategy=SimpleNamespace(pipeline_parallel=1, loops=1))
+    model.setup("fit")
+    model.trainer = SimpleNamespace(strategy=SimpleNamespace())  # plain Lightning
+    model.setup("fit")
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_optimizer_and_schedule(name):
+    model = GPT(CFG, OptimConfig(name=name, lr=0.01, warmup_steps=10))
+    model.trainer = SimpleNamespace(max_steps=100, estimated_stepping_batches=100)
+    conf = model.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    assert type(opt).__name__ == {"adamw": "AdamW", "sgd": "SGD"}[name]
+    assert conf["lr_scheduler"]["interval"] == "step"
+    assert opt.param_groups[1]["weight_decay"] == 0.0 and all(p.dim() < 2 for p in opt.param_groups[1]["params"])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.001)  # warmup step 0: lr / 10
+    with pytest.raises(ValueError, match="optim.name='lion'"):
+        GPT(CFG, OptimConfig(name="lion")).configure_optimizers()
+
+
+def test_lr_factor_warms_up_then_decays_to_the_floor():
+    f = [lr_factor(s, warmup=10, total=100, min_ratio=0.1) for s in range(120)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert f[100] == pytest.approx(0.1) and f[119] == pytest.approx(0.1)
+
+
+def test_a_few_steps_overfit_one_batch():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    b = batch()
+    first = model._loss(b).item()
+    for _ in range(30):
+        loss = model._loss(b)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < first - 1.0
+
+
+def test_flops_per_token_counts_params_and_attention():
+    n = sum(p.numel() for p in GPT(CFG).parameters())
+    assert flops_per_token(CFG, n) == 6 * n + 12 * 2 * 32 * 16

@@ -1,0 +1,139 @@
+# Simulator: closed-form bubbles, the model's comm/compute pieces, memory ordering of the schedules.
+import itertools
+
+import pytest
+
+from lightning_bfpp.schedule import ScheduleError, ScheduleSpec, build_schedule
+from lightning_bfpp.sim import MEGATRON, Cluster, Model, SimOptions, build_costs, evaluate, ring_time, simulate, unit_costs
+
+GRID = [
+    (name, pp, loops, m)
+    for name in ("gpipe", "1f1b", "depth_first", "breadth_first")
+    for pp, loops, m in itertools.product((1, 2, 3, 4), (1, 2, 3), (1, 2, 4, 6, 8, 12))
+    if loops == 1 or name in ("depth_first", "breadth_first")
+]
+
+
+def _legal(spec):
+    try:
+        return build_schedule(spec)
+    except ScheduleError:
+        return None
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "depth_first", "breadth_first"])
+def test_bubble_closed_form(name):
+    """Free comm, uniform stages: bubble = (pp-1)/(loops*m) exactly, also with F:B = 1:2 or 1:1."""
+    checked = 0
+    for n, pp, loops, m in GRID:
+        if n != name or (sched := _legal(ScheduleSpec(n, pp, loops, m))) is None:
+            continue
+        for backward in (1.0, 2.0):
+            r = simulate(sched, unit_costs(pp * loops, pp, backward=backward))
+            assert r.bubble == pytest.approx((pp - 1) / (loops * m), abs=1e-12), (n, pp, loops, m)
+            assert r.step_time == pytest.approx((1 + backward) * (loops * m + (pp - 1)), abs=1e-9)
+        checked += 1
+    assert checked >= 12
+
+
+def test_bubble_breadth_first_groups():
+    """Each group is one breadth-first pass: the bubble is paid once per group."""
+    pp, loops, m, g = 2, 2, 8, 2
+    r = simulate(build_schedule(ScheduleSpec("breadth_first", pp, loops, m, g)), unit_costs(pp * loops, pp))
+    assert r.bubble == pytest.approx(g * (pp - 1) / (loops * m))
+
+
+def test_prefetch_hides_all_gather_and_reduce_overlaps():
+    """BF: only the first all-gather and the last reduce are exposed when comm is cheaper than a stage."""
+    spec = ScheduleSpec("breadth_first", 2, 2, 4)
+    r = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5))
+    assert r.exposed_comm == pytest.approx(1.0)
+    blocking = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5), SimOptions(blocking_reduce=True))
+    assert blocking.step_time > r.step_time
+
+
+def test_megatron_like_waits_for_reduction_at_end():
+    spec = ScheduleSpec("depth_first", 2, 2, 4)
+    costs = unit_costs(4, 2, reduce=0.5, p2p=0.1, sharding="none")
+    fsdp_like = simulate(build_schedule(spec), costs)
+    megatron = simulate(build_schedule(spec), costs, MEGATRON)
+    assert megatron.step_time >= fsdp_like.step_time + 0.5  # at least the last stage's reduction
+    for rank in range(2):  # each rank reduces over its dp group after its own pipeline flush
+        events = megatron.rank_timeline(rank)
+        last_compute = max(e.end for e in events if e.kind in "FB")
+        reduces = [e for e in events if e.kind == "REDUCE"]
+        assert len(reduces) == 2 and min(e.start for e in reduces) >= last_compute - 1e-9
+
+
+def test_timeline_matches_action_lists():
+    sched = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4, reshard_after_forward=True))
+    r = simulate(sched, unit_costs(4, 2, unshard=0.2, reduce=0.2))
+    for rank in range(2):
+        compute = [(e.stage, e.kind, e.micro_batch) for e in r.rank_timeline(rank) if e.kind in "FB"]
+        assert compute == [(a.stage, a.op.value, a.micro_batch) for a in sched.compute_actions(rank)]
+        unshards = [e for e in r.rank_timeline(rank) if e.kind == "UNSHARD"]
+        assert len(unshards) == sum(a.op.value == "UNSHARD" for a in sched.actions[rank])
+
+
+def test_cost_model_pieces():
+    assert ring_time(8.0, 1, 1.0, 1.0) == 0.0
+    assert ring_time(8.0, 4, 2.0, 0.0) == pytest.approx(3.0)
+    model = Model(n_layer=4, n_head=4, n_embd=64, seq=32, vocab=256)
+    cluster = Cluster(devices=4, num_nodes=2, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
+    intra = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=2, micro_batches=4)
+    inter = build_costs(model, cluster, pipeline_parallel=1, loops=1, data_parallel=8, micro_batch_size=2, micro_batches=4)
+    assert intra.stages[0].unshard == pytest.approx(3 / 4 * 2 * intra.stages[0].params / 1e11)
+    assert inter.stages[0].unshard == pytest.approx(7 / 8 * 2 * inter.stages[0].params / 1e9)
+    assert intra.p2p[(0, 1)] == pytest.approx(2 * 2 * 32 * 64 / 1e9)  # pipeline neighbours on two nodes
+    st = intra.stages[0]
+    assert st.backward == pytest.approx(2 * st.forward)
+    assert sum(s.params for s in intra.stages) == sum(model.layer_params())
+    none = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=2,
+                       micro_batches=4, sharding="none")
+    assert none.stages[0].unshard == 0 and none.stages[0].reduce == pytest.approx(2 * intra.stages[0].reduce)
+
+
+def _activation_peak(name, loops, groups=1, pp=4, m=16):
+    model = Model(n_layer=16, n_head=8, n_embd=512, seq=256, vocab=256)
+    cluster = Cluster(devices=8, num_nodes=1, flops=1e13, device_memory=8e10, intra_bw=1e11, inter_bw=1e10, latency=1e-5)
+    costs = build_costs(model, cluster, pipeline_parallel=pp, loops=loops, data_parallel=2, micro_batch_size=1,
+                        micro_batches=m)
+    r = simulate(build_schedule(ScheduleSpec(name, pp, loops, m, groups)), costs)
+    return max(mem.activations for mem in r.memory)
+
+
+def test_memory_ordering():
+    """BF keeps all micro-batches alive like GPipe; DF and 1F1B about pp of them; groups divide BF's."""
+    gpipe, bf = _activation_peak("gpipe", 1), _activation_peak("breadth_first", 2)
+    one_f_one_b, df = _activation_peak("1f1b", 1), _activation_peak("depth_first", 2)
+    assert bf == pytest.approx(gpipe, rel=0.05)
+    assert df == pytest.approx(one_f_one_b, rel=0.5)
+    assert bf > 2.5 * df
+    for groups in (2, 4):
+        assert _activation_peak("breadth_first", 2, groups) == pytest.approx(bf / groups, rel=0.05)
+
+
+def test_sharding_divides_state_by_dp():
+    model = Model(n_layer=4, n_head=4, n_embd=64, seq=32, vocab=256)
+    cluster = Cluster(devices=8, num_nodes=1, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
+    sched = build_schedule(ScheduleSpec("1f1b", 2, 1, 4))
+    static = {}
+    for sharding in ("full", "none"):
+        costs = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=1,
+                            micro_batches=4, sharding=sharding)
+        static[sharding] = simulate(sched, costs).memory[0].static
+    assert static["none"] == pytest.approx(static["full"] * 4 * 20 / 16)
+
+
+def test_stuck_action_lists_raise():
+    from lightning_bfpp.schedule import Action, Op, Schedule
+
+    spec = ScheduleSpec("gpipe", 2, 1, 1)
+    actions = {  # rank 0 runs its backward before the forward that rank 1's gradient depends on
+        0: [Action(0, Op.UNSHARD), Action(0, Op.RECV_B, 0), Action(0, Op.BACKWARD, 0), Action(0, Op.FORWARD, 0),
+            Action(0, Op.SEND_F, 0), Action(0, Op.RESHARD)],
+        1: [Action(1, Op.RECV_F, 0), Action(1, Op.UNSHARD), Action(1, Op.FORWARD, 0), Action(1, Op.BACKWARD, 0),
+            Action(1, Op.SEND_B, 0), Action(1, Op.RESHARD)],
+    }
+    with pytest.raises(ScheduleError, match="cannot progress"):
+        simulate(Schedule(spec, actions), unit_costs(2, 2))

@@ -3,7 +3,7 @@
 #   python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
 #   python examples/train.py -m schedule=breadth_first,depth_first
 #   torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
-#   python examples/train.py checkpoint.every_n_steps=100      # then: ckpt_path=<run dir>/checkpoints/step=100.ckpt
+#   python examples/train.py checkpoint.every_n_steps=100      # then: ckpt_path=<run dir>/checkpoints/step-100.ckpt
 from __future__ import annotations
 
 import dataclasses
@@ -168,8 +168,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         callbacks.append(TQDMProgressBar(refresh_rate=10))
     every = int(cfg.checkpoint.every_n_steps)
     if every > 0:
-        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="{step}", every_n_train_steps=every,
-                                         save_top_k=int(cfg.checkpoint.keep), monitor="step", mode="max", save_last=True))
+        # "step-200.ckpt": no '=' in the name, so `ckpt_path=<dir>/step-200.ckpt` needs no quoting for Hydra
+        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step-{step}", auto_insert_metric_name=False,
+                                         every_n_train_steps=every, save_top_k=int(cfg.checkpoint.keep), monitor="step",
+                                         mode="max", save_last=True))
     loggers = build_loggers(cfg, run_dir, run_name)
     t = cfg.trainer
     trainer = L.Trainer(

@@ -1,0 +1,74 @@
+"""The command lines users type: one model, several layouts, same numbers; resume and export."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from test_app import CONF, ROOT, clean_env, run_cli
+
+COMMON = ["optim=sgd", "logger=csv", "trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.val_check_interval=3",
+          "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_same_train_loss_on_one_two_and_four_processes(tmp_path):
+    """optim=sgd, same data and steps: pp=1 (1 process), pp=2 x loops=2 (2), pp=4 x loops=1 (4)."""
+    layouts = {
+        "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
+        "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
+        "cpu4": ["cluster=cpu_4", "schedule.pipeline_parallel=4", "schedule.loops=1", "schedule.micro_batches=4"],
+    }
+    losses = {}
+    for name, args in layouts.items():
+        run_cli(COMMON + args + [f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
+        s = _summary(tmp_path / name)
+        assert s["steps"] == 3 and s["data_parallel"] == 1
+        losses[name] = (s["train_loss"], s["val_loss"])
+    base = losses["cpu1"]
+    for name, (train, val) in losses.items():
+        assert abs(train - base[0]) <= 1e-5 * base[0], losses
+        assert abs(val - base[1]) <= 1e-5 * base[1], losses
+
+
+def test_cli_checkpoint_resume_and_export(tmp_path):
+    layout = ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=2",
+              "trainer.max_steps=4", "trainer.val_check_interval=4"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    run_cli(COMMON + layout + ["checkpoint.every_n_steps=2", f"hydra.run.dir={first}"], cwd=tmp_path)
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["last.ckpt", "step-2.ckpt", "step-4.ckpt"]
+    # resume from step 2 in another layout (pp=4, loops=1 on 4 processes): same last-step losses
+    run_cli(COMMON + ["cluster=cpu_4", "schedule.pipeline_parallel=4", "schedule.loops=1", "schedule.micro_batches=2",
+                      "trainer.max_steps=4", "trainer.val_check_interval=4",
+                      f"ckpt_path={first / 'checkpoints' / 'step-2.ckpt'}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    a, b = _summary(first), _summary(resumed)
+    assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * a["train_loss"], (a["train_loss"], b["train_loss"])
+    assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * a["val_loss"]
+
+    # export the sharded checkpoint: the plain example GPT loads it strictly and validates to the same loss
+    out = tmp_path / "gpt.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning_bfpp.checkpoint", str(first / "checkpoints" / "step-4.ckpt"), str(out)],
+                   env=clean_env(), cwd=ROOT, check=True, capture_output=True, timeout=120)
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import GPT, GPTConfig
+
+    from lightning_bfpp.data import CorpusDataModule
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=COMMON + layout)
+    model = GPT(GPTConfig(**{k: v for k, v in cfg.model.items() if k != "name"}))
+    model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
+    data = CorpusDataModule(**{k: v for k, v in cfg.data.items() if k != "name"})
+    trainer = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    val = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    assert val == pytest.approx(a["val_loss"], rel=1e-5)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -100,9 +101,14 @@ def _restore_rng(path: Path) -> None:
 
 
 def _load_full_file(path: Path, module: nn.Module, strict: bool) -> dict[str, Any]:
-    """A plain Lightning checkpoint or an exported file: full tensors by global name (weights and loops;
-    optimizer state in Lightning's id-keyed form cannot follow a layout change and is not restored)."""
+    """A plain (single-process) Lightning checkpoint or an exported file: full tensors by global name.
+
+    Weights load into any layout (validate/test/predict with ``ckpt_path=file``); loops and LR schedulers
+    follow when the file has them. Optimizer state in Lightning's id-keyed form is not restored."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if checkpoint.get("optimizer_states"):
+        rank_zero_warn(f"{path}: a plain checkpoint's optimizer state is not restored under strategy='bfpp' "
+                       "(only weights, loops and schedulers); resume from a bfpp checkpoint folder for exact resume.")
     full = checkpoint.get("state_dict", checkpoint)
     local = get_model_state_dict(module)
     missing = [k for k in local if k not in full]

@@ -3,7 +3,7 @@
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
 eval (validate/test/predict after fit), opt (sgd|adamw),
-save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
+save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
 """
@@ -83,15 +83,18 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("clip"), logger=False,
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2 if cfg.get("eval") else 0, val_check_interval=2, callbacks=callbacks,
+        limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2, callbacks=callbacks,
     )
     dp = devices // cfg.get("pp", 1)
     per_replica = cfg.get("batch", 16) // dp
-    trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica),
-                ckpt_path=cfg.get("resume"))
+    evaluated = {}
+    if cfg.get("eval_ckpt"):  # evaluate a checkpoint file in this layout, no training
+        evaluated["val_loss"] = trainer.validate(model, loader(per_replica), ckpt_path=cfg["eval_ckpt"], verbose=False)[0]["val_loss"]
+    else:
+        trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica),
+                    ckpt_path=cfg.get("resume"))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
-    evaluated = {}
     if cfg.get("eval"):  # forward-only pipelines after training: validate, test, predict
         evaluated["val_loss"] = trainer.validate(model, loader(per_replica), verbose=False)[0]["val_loss"]
         evaluated["test_loss"] = trainer.test(model, loader(per_replica), verbose=False)[0]["test_loss"]

@@ -23,12 +23,15 @@ def runs(tmp_path_factory):
     # original layouts, uninterrupted, saving every 3 steps: pp=2 loops=2 at dp=1 (world 2) and dp=2 (world 4)
     w2 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp1-{opt}")) for opt in ("sgd", "adamw")]
     out["dp1"] = dict(zip(("sgd", "adamw"), run_lightning(root / "w2", 2, w2)))
+    ckpt.export(root / "dp1-sgd" / "step=6.ckpt", root / "exported.ckpt")  # a plain file, evaluated at dp=2 below
     w4 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp2-{opt}")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(2, 2, 2, opt, resume=str(root / f"dp2-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(4, 1, 4, opt, resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(2, 2, 2, opt, sharding="full", resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
+    w4 += [{"pp": 2, "loops": 2, "m": 2, "eval_ckpt": str(root / "exported.ckpt")}]
     # (w4 must wait for w2's checkpoints, so it is a second launch)
     r4 = run_lightning(root / "w4", 4, w4)
+    out["eval-exported"] = r4[8]
     out["dp2"] = dict(zip(("sgd", "adamw"), r4[0:2]))
     out["dp2-resumed"] = dict(zip(("sgd", "adamw"), r4[2:4]))
     out["pp4-from-dp1"] = dict(zip(("sgd", "adamw"), r4[4:6]))
@@ -76,6 +79,17 @@ def test_export_loads_strict_and_gives_the_same_loss(runs, tmp_path):
     assert reference_eval(model.state_dict(), 1, 16)[0] == reference_eval(trained, 1, 16)[0]
     loaded = StackNet.load_from_checkpoint(out)  # hyper-parameters travel with the export
     assert loaded.opt == "adamw"
+
+
+def test_plain_file_loads_into_a_pipelined_layout(runs):
+    """trainer.validate(ckpt_path=exported file) at pp=2 x dp=2: the weights and the loss of the export."""
+    ranks = runs["eval-exported"]
+    exported = torch.load(runs["root"] / "exported.ckpt", weights_only=False)["state_dict"]
+    got = _params(ranks)
+    assert got.keys() == exported.keys()
+    assert max((got[k] - exported[k]).abs().max().item() for k in got) == 0.0
+    expected, _ = reference_eval(exported, 2, 8, limit=2)
+    assert all(abs(r["val_loss"] - expected) <= 1e-6 for r in ranks)
 
 
 def test_interrupted_save_is_never_a_checkpoint(tmp_path, monkeypatch):

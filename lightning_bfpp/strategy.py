@@ -25,7 +25,7 @@ from .partition import split_stages
 from .resume import skip_consumed_batches
 from .runtime.instrument import local_bytes, optimizer_bytes
 from .runtime.pipeline import PipelineRunner, _batch_size
-from .schedule import Schedule, ScheduleSpec, check_spec
+from .schedule import Schedule, ScheduleSpec, build_schedule
 
 SHARDING = ("full", "none")
 
@@ -80,7 +80,9 @@ class BFPPStrategy(ModelParallelStrategy):
             groups=groups,
             reshard_after_forward=bool(reshard_after_forward),
         )
-        check_spec(self.spec)  # bad settings fail here, before any process starts
+        # Bad settings fail here, before any process starts: the schedule is generated and validated
+        # (dependencies, send/receive pairing, no deadlock) now, and this very schedule is what runs.
+        self._train_schedule = build_schedule(self.spec)
         self.sharding = sharding
         self.stage_layers = list(stage_layers) if stage_layers else None
         self.runner: PipelineRunner | None = None
@@ -170,7 +172,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 shard_stage(stage, dp_mesh)
         replicate_group = dp_mesh.get_group() if not sharded and dp_mesh.size() > 1 else None
         return PipelineRunner(
-            self.spec, modules, self.root_device, pp_mesh.get_group(), module.pipeline_loss, replicate_group
+            self._train_schedule, modules, self.root_device, pp_mesh.get_group(), module.pipeline_loss, replicate_group
         )
 
     def _install_global_clipping(self) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule import Schedule, ScheduleSpec, build_schedule
+from ..schedule import Schedule, build_schedule
 from .instrument import SavedActivationMeter, Timeline
 from .torch_bridge import build_runtime
 
@@ -35,20 +35,20 @@ class PipelineRunner:
 
     def __init__(
         self,
-        spec: ScheduleSpec,
+        schedule: Schedule,
         modules: dict[int, nn.Module],
         device: torch.device,
         pp_group: dist.ProcessGroup | None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         replicate_group: dist.ProcessGroup | None = None,
     ):
-        self.spec = spec
+        self.spec = spec = schedule.spec
         self.modules = modules
         self.device = device
         self.pp_group = pp_group
         self.loss_fn = loss_fn
         self.replicate_group = replicate_group  # data-parallel group when grads are all-reduced, not sharded
-        self.schedules: dict[str, Schedule] = {"train": build_schedule(spec)}
+        self.schedules: dict[str, Schedule] = {"train": schedule}
         self.schedules["eval"] = build_schedule(dataclasses.replace(spec, forward_only=True))
         self._runtimes: dict[tuple, tuple[Any, list]] = {}
         self.timeline = Timeline()

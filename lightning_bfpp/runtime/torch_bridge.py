@@ -12,6 +12,15 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 
 from ..schedule import Op, Schedule
 
+if not (
+    hasattr(_torch_schedules, "_PipelineScheduleRuntime")
+    and hasattr(getattr(_torch_schedules, "_ComputationType", None), "REDUCE_GRAD")
+):
+    raise ImportError(
+        f"lightning-bfpp needs torch.distributed.pipelining's schedule runtime with UNSHARD/RESHARD/REDUCE_GRAD "
+        f"actions (tested on torch 2.13); this is torch {torch.__version__}. Install torch>=2.13."
+    )
+
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,
     Op.BACKWARD: _torch_schedules._ComputationType.FULL_BACKWARD,

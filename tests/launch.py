@@ -37,7 +37,8 @@ def _check(procs: list[subprocess.Popen], timeout: float) -> None:
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     for p, out in zip(procs, outputs):
         if p.returncode:
-            raise AssertionError(f"launch failed (exit {p.returncode}):\n{out[-6000:]}")
+            errors = "\n".join(line for line in out.splitlines() if "Error:" in line or "Exception:" in line)
+            raise AssertionError(f"launch failed (exit {p.returncode}); errors:\n{errors}\n--- tail:\n{out[-6000:]}")
 
 
 def run_lightning(out: Path, devices: int, configs: list[dict], timeout: float = 480) -> list[list[dict]]:

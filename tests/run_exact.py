@@ -3,7 +3,7 @@
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
 eval (validate/test/predict after fit), opt (sgd|adamw),
-save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
+save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
 """
@@ -28,7 +28,8 @@ from lightning_bfpp import BFPPStrategy  # noqa: E402
 class Record(Callback):
     """Losses per batch; optionally the FSDP collectives actually issued during the second step."""
 
-    def __init__(self, trace: bool):
+    def __init__(self, trace: bool, fail_rank: int | None = None):
+        self.fail_rank = fail_rank
         self.losses: list[float] = []
         self.trace = trace
         self.events: list[tuple[str, int]] = []
@@ -59,6 +60,8 @@ class Record(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._on = batch_idx == 1
+        if batch_idx == 1 and trainer.global_rank == self.fail_rank:
+            raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._on = False
@@ -74,7 +77,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         sharding=cfg.get("sharding", "full"), reshard_after_forward=cfg.get("reshard", False),
         timeout=timedelta(seconds=120),
     )
-    record = Record(cfg.get("trace", False))
+    record = Record(cfg.get("trace", False), cfg.get("fail_rank"))
     callbacks = [record]
     if cfg.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}", every_n_train_steps=cfg["save_every"],

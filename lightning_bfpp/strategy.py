@@ -215,8 +215,15 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """On a mid-epoch resume, start the training loader after the batches the checkpoint had trained on
-        (`processed`: a ModelCheckpoint saving in on_train_batch_end has not yet counted its batch `completed`)."""
+        """Check the batch splits into micro-batches (before the first step), and on a mid-epoch resume start
+        the training loader after the batches the checkpoint had trained on (`processed`: a ModelCheckpoint
+        saving in on_train_batch_end has not yet counted its batch `completed`)."""
+        batch_size = getattr(dataloader, "batch_size", None)
+        if isinstance(batch_size, int) and batch_size % self.spec.micro_batches:
+            raise ValueError(
+                f"the dataloader's batch_size={batch_size} (per data-parallel replica) is not a multiple of "
+                f"micro_batches={self.spec.micro_batches}; change one of them."
+            )
         trainer = self.lightning_module.trainer
         if trainer.training and trainer.fit_loop.restarting:
             return skip_consumed_batches(dataloader, trainer.fit_loop.epoch_loop.batch_progress.current.processed)

@@ -87,3 +87,10 @@ def test_model_without_hooks_gets_a_clear_error():
 
 def test_package_exports():
     assert {"BFPPStrategy", "PipelineHooks", "ScheduleSpec", "build_schedule"} <= set(lightning_bfpp.__all__)
+
+
+def test_batch_that_does_not_split_into_micro_batches_fails_before_the_first_step():
+    from torch.utils.data import DataLoader
+
+    with pytest.raises(ValueError, match="batch_size=6 .* not a multiple of micro_batches=4"):
+        BFPPStrategy(pipeline_parallel=2, micro_batches=4).process_dataloader(DataLoader(range(12), batch_size=6))

@@ -300,7 +300,8 @@ class BFPPStrategy(ModelParallelStrategy):
         return out
 
     def _update_stats(self, params: list[torch.nn.Parameter]) -> None:
-        """Per-step measurements, max over ranks (identical on every rank): bubble and memory."""
+        """Per-step measurements, identical on every rank: the max over ranks of each number (bubble, times,
+        bytes) and, under "memory", every rank's own byte counts ({global rank: {...}})."""
         assert self.runner is not None
         local = {
             **self.runner.last_stats,
@@ -309,7 +310,13 @@ class BFPPStrategy(ModelParallelStrategy):
             "optimizer_bytes": optimizer_bytes(self.optimizers),
             "activation_peak_bytes": self.runner.meter.peak,
         }
-        values = torch.tensor(list(local.values()), dtype=torch.float64, device=self.root_device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        self.step_stats = dict(zip(local, values.tolist()))
-        self.step_stats["memory"] = {k: local[k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")}
+        mine = torch.tensor(list(local.values()), dtype=torch.float64, device=self.root_device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        table = torch.stack(every).cpu()
+        self.step_stats = dict(zip(local, table.max(dim=0).values.tolist()))
+        memory_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+        columns = [list(local).index(k) for k in memory_keys]
+        self.step_stats["memory"] = {
+            rank: {k: int(row[c]) for k, c in zip(memory_keys, columns)} for rank, row in enumerate(table.tolist())
+        }

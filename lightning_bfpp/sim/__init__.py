@@ -7,11 +7,11 @@
 0.25
 """
 
-from .cost import Cluster, Costs, Model, StageCost, build_costs, ring_time, unit_costs
+from .cost import Cluster, Costs, LayerTimes, Model, StageCost, build_costs, ring_time, unit_costs
 from .memory import MemoryReport, memory_report
 from .simulate import MEGATRON, Event, SimOptions, SimResult, evaluate, simulate
 
 __all__ = [
-    "Cluster", "Costs", "Model", "StageCost", "build_costs", "ring_time", "unit_costs", "MemoryReport",
+    "Cluster", "Costs", "LayerTimes", "Model", "StageCost", "build_costs", "ring_time", "unit_costs", "MemoryReport",
     "memory_report", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
 ]

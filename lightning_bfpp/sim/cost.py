@@ -17,6 +17,26 @@ ACT_BYTES = 2  # bf16 activations and p2p messages
 
 
 @dataclass(frozen=True)
+class LayerTimes:
+    """Measured seconds per layer for one micro-batch (examples/calibrate.py, `layer_times` in a cluster yaml):
+    (forward, backward) of the embedding, of one block and of the head including the loss, for models of one
+    shape (`n_head, n_embd, block_size, vocab_size`) at `micro_batch_size` samples per micro-batch."""
+
+    shape: tuple[int, int, int, int]
+    micro_batch_size: int
+    embedding: tuple[float, float]
+    block: tuple[float, float]
+    head: tuple[float, float]
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping) -> LayerTimes:
+        m = cfg["model"]
+        pair = lambda v: (float(v[0]), float(v[1]))  # noqa: E731
+        return cls((int(m["n_head"]), int(m["n_embd"]), int(m["block_size"]), int(m["vocab_size"])),
+                   int(cfg["micro_batch_size"]), pair(cfg["embedding"]), pair(cfg["block"]), pair(cfg["head"]))
+
+
+@dataclass(frozen=True)
 class Cluster:
     """What the simulator needs from a `conf/cluster/*.yaml` dict (bytes/s, FLOP/s, seconds)."""
 
@@ -28,6 +48,12 @@ class Cluster:
     inter_bw: float
     latency: float
     overhead: float = 0.0  # seconds added to every forward and backward action (launch / Python cost)
+    backward_factor: float = 2.0  # backward time / forward time (FLOP-based compute)
+    collective_bw: float | None = None  # ring bandwidth of intra-node collectives, when unlike p2p (gloo)
+    grad_scale: float = 0.0  # host seconds per parameter at REDUCE_GRAD (the runtime's 1/m gradient scaling)
+    layer_times: LayerTimes | None = None  # measured per-layer times; win over FLOPs for a model of their shape
+    p2p_latency: float | None = None  # per pipeline message as the runtime sees it (default: `latency`)
+    step_overhead: float = 0.0  # host seconds per step and rank outside the actions (runtime start and end)
 
     @property
     def world_size(self) -> int:
@@ -36,7 +62,9 @@ class Cluster:
     @classmethod
     def from_dict(cls, cfg: Mapping) -> Cluster:
         """`achieved_flops` wins; else `peak_flops * compute_efficiency` (default efficiency 0.5).
-        Optional `compute_overhead`: seconds added to every forward/backward action."""
+        Optional (examples/calibrate.py writes them): `compute_overhead` (seconds added to every
+        forward/backward action), `backward_factor`, `collective_bandwidth`, `grad_scale_time_per_param`,
+        `layer_times`, `p2p_latency`, `step_overhead`."""
         flops = cfg.get("achieved_flops")
         if flops is None:
             if cfg.get("peak_flops") is None:
@@ -45,16 +73,25 @@ class Cluster:
                     "`achieved_flops: <FLOP/s per device>` to the cluster yaml (examples/calibrate.py measures it)."
                 )
             flops = float(cfg["peak_flops"]) * float(cfg.get("compute_efficiency", 0.5))
+        collective = cfg.get("collective_bandwidth")
         return cls(
             devices=int(cfg["devices"]), num_nodes=int(cfg.get("num_nodes", 1)), flops=float(flops),
             device_memory=float(cfg["device_memory"]), intra_bw=float(cfg["intra_node_bandwidth"]),
             inter_bw=float(cfg["inter_node_bandwidth"]), latency=float(cfg.get("latency", 0.0)),
             overhead=float(cfg.get("compute_overhead") or 0.0),
+            backward_factor=float(cfg.get("backward_factor") or 2.0),
+            collective_bw=float(collective) if collective else None,
+            grad_scale=float(cfg.get("grad_scale_time_per_param") or 0.0),
+            layer_times=LayerTimes.from_dict(cfg["layer_times"]) if cfg.get("layer_times") else None,
+            p2p_latency=float(cfg["p2p_latency"]) if cfg.get("p2p_latency") is not None else None,
+            step_overhead=float(cfg.get("step_overhead") or 0.0),
         )
 
     def group_bandwidth(self, ranks: Sequence[int]) -> float:
         """Ring bandwidth of a group of global ranks: intra-node only if all share one node."""
-        return self.intra_bw if len({r // self.devices for r in ranks}) <= 1 else self.inter_bw
+        if len({r // self.devices for r in ranks}) <= 1:
+            return self.collective_bw or self.intra_bw
+        return self.inter_bw
 
 
 @dataclass(frozen=True)
@@ -98,6 +135,16 @@ class Model:
         block = 2 * s * b * h if self.checkpointing else s * b * h * (34 + 5 * a * s / h)
         return [float(ACT_BYTES * s * b * h)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
 
+    def layer_times(self, cluster: Cluster, micro_batch_size: int) -> list[tuple[float, float]] | None:
+        """Measured (forward, backward) seconds per layer from `cluster.layer_times` when they were taken on
+        a model of this shape, scaled linearly from the calibrated micro-batch size; else None."""
+        lt = cluster.layer_times
+        if lt is None or lt.shape != (self.n_head, self.n_embd, self.seq, self.vocab):
+            return None
+        k = micro_batch_size / lt.micro_batch_size
+        scale = lambda fb: (fb[0] * k, fb[1] * k)  # noqa: E731
+        return [scale(lt.embedding)] + [scale(lt.block)] * self.n_layer + [scale(lt.head)]
+
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (forward + backward, no recompute): for MFU/tokens-per-second."""
         return 3.0 * sum(self.layer_forward_flops())
@@ -120,6 +167,7 @@ class StageCost:
     activation: float  # bytes kept from a micro-batch's forward until its backward
     unshard: float = 0.0  # all-gather of the stage's weights over dp
     reduce: float = 0.0  # reduce-scatter (full) or all-reduce (none) of its gradients over dp
+    reduce_host: float = 0.0  # host seconds at REDUCE_GRAD (1/m gradient scaling), not communication
 
 
 @dataclass
@@ -134,15 +182,16 @@ class Costs:
     tokens_per_step: int = 0  # per data-parallel replica
     device_memory: float = float("inf")
     flops_per_token: float = 0.0
+    step_overhead: float = 0.0  # host seconds per step and rank outside the actions (runtime start and end)
 
     def p2p_time(self, src: int, dst: int) -> float:
         return self.p2p.get((src, dst), 0.0)
 
     def without_comm(self) -> Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
-        stages = [StageCost(s.forward, s.backward, s.params, s.activation) for s in self.stages]
+        stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host) for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
-                     self.flops_per_token)
+                     self.flops_per_token, self.step_overhead)
 
 
 def ring_time(nbytes: float, group: int, bandwidth: float, latency: float) -> float:
@@ -163,9 +212,11 @@ def build_costs(
     micro_batches: int,
     sharding: str = "full",
     stage_layers: Sequence[int] | None = None,
+    activation_bytes: int = ACT_BYTES,
 ) -> Costs:
     """Per-stage costs of `model` cut into pipeline_parallel*loops stages on a (pp, dp) mesh of `cluster`.
 
+    `activation_bytes`: bytes per element of the p2p activations/gradients (2: bf16, 4: a 32-true run).
     NOTE: ranks are laid out as (pp, dp) with dp innermost: global rank = p * dp + d, so a dp group is
     contiguous (intra-node when it fits in a node) and pipeline neighbours are dp ranks apart.
     """
@@ -183,25 +234,33 @@ def build_costs(
     params, flops, acts = model.layer_params(), model.layer_forward_flops(), model.layer_activation_bytes(micro_batch_size)
     tokens = micro_batch_size * model.seq
     recompute = 1.0 if model.checkpointing else 0.0
+    measured = model.layer_times(cluster, micro_batch_size)
     stages, start = [], 0
     for s, n in enumerate(layout):
         p = sum(params[start:start + n])
-        fwd = sum(flops[start:start + n]) * tokens / cluster.flops
+        if measured is not None:  # calibrated per-layer seconds (recomputation repeats the forward)
+            fwd = sum(f for f, _ in measured[start:start + n])
+            bwd = sum(b for _, b in measured[start:start + n]) + recompute * fwd
+        else:
+            fwd = sum(flops[start:start + n]) * tokens / cluster.flops
+            bwd = (cluster.backward_factor + recompute) * fwd
         rank = s % pp
         bw = cluster.group_bandwidth([rank * dp + d for d in range(dp)])
         gather = ring_time(WEIGHT_BYTES * p, dp, bw, cluster.latency) if sharding == "full" else 0.0
         reduce = ring_time(GRAD_BYTES * p, dp, bw, cluster.latency) * (1 if sharding == "full" else 2)
-        backward = (2.0 + recompute) * fwd + cluster.overhead
-        stages.append(StageCost(fwd + cluster.overhead, backward, p, sum(acts[start:start + n]), gather, reduce))
+        stages.append(StageCost(fwd + cluster.overhead, bwd + cluster.overhead, p, sum(acts[start:start + n]), gather,
+                                reduce, reduce_host=cluster.grad_scale * p))
         start += n
-    message = ACT_BYTES * tokens * model.n_embd
+    message = activation_bytes * tokens * model.n_embd
     p2p = {}
     for src in range(pp):
         for dst in {(src + 1) % pp, (src - 1) % pp} - {src}:
             # the slowest replica sets the pace: inter-node if any replica's pair crosses a node
             inter = any((src * dp + d) // cluster.devices != (dst * dp + d) // cluster.devices for d in range(dp))
-            p2p[(src, dst)] = cluster.latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
-    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, model.flops_per_token())
+            latency = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
+            p2p[(src, dst)] = latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
+    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, model.flops_per_token(),
+                 cluster.step_overhead)
 
 
 def unit_costs(num_stages: int, pipeline_parallel: int, *, forward: float = 1.0, backward: float = 2.0,

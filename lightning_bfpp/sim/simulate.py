@@ -205,6 +205,7 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
                 if full:
                     r.mem.append((r.host, -WEIGHT_BYTES * st.params, "weights"))
             elif code == _REDUCE:
+                r.host += st.reduce_host  # the runtime scales the stage's gradients on the host first
                 if reduce_at_end:
                     r.deferred.append(s)
                 else:
@@ -230,7 +231,7 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
             r.rs_free = max(r.rs_free, r.host)
             _reduce(r, s, costs, full, events if timeline else None)
     link_end = {src: t for (src, _), t in links.items()}
-    ends = [max(r.host, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in ranks]
+    ends = [max(r.host + costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in ranks]
     step_time = max(ends)
     memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), costs)) for r in ranks]
     return SimResult(schedule, step_time, events, [r.busy for r in ranks], memory, costs.tokens_per_step)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,19 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+from lightning_bfpp.procenv import clean_env, free_port, runqueue_wait  # noqa: E402
 
 SCHEDULES = {"breadth_first": 2, "depth_first": 2, "gpipe": 1, "1f1b": 1}  # name -> loops
-_DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-              "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
-def runqueue_wait() -> float:
-    """Seconds this thread has waited for a CPU (Linux schedstat): time other processes took from it."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except OSError:
-        return 0.0
 
 
 # ---------------------------------------------------------------- worker (2 processes, Lightning popen launcher)
@@ -110,16 +101,10 @@ def _worker(out: Path, configs: list[dict]) -> None:
             {"config": cfg, "threads": torch.get_num_threads(), "steps": record.steps}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_measured(configs: list[dict], out: Path, threads: int, timeout: float = 900) -> list[list[dict]]:
     """Launch the worker on `devices` processes (Lightning's popen launcher) and load every rank's record."""
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("SLURM_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", MASTER_PORT=str(_free_port()))
+    env = clean_env(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), json.dumps(configs)]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if p.returncode:

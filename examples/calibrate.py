@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -47,17 +46,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
+from lightning_bfpp.procenv import free_port, runqueue_wait  # noqa: E402
 
 SHAPE_KEYS = ("n_head", "n_embd", "block_size", "vocab_size")  # what per-layer times depend on (not n_layer)
 
 
-def runqueue_wait() -> float:
-    """Seconds this thread has waited for a CPU so far (Linux schedstat; 0 where unavailable)."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except OSError:
-        return 0.0
 
 
 def sample(fn: Callable[[], object], repeats: int, *, prepare: Callable[[], object] | None = None,
@@ -115,7 +108,7 @@ def measure_layers(model_cfg: dict, micro_batch_size: int, repeats: int, sync: b
     }
     out = {}
     for name, (module, make_input, run) in layers.items():
-        meter = SavedActivationMeter(module.parameters())
+        meter = SavedActivationMeter([module])
         forward_samples, backward_samples = [], []
         for group in range(max(1, repeats // in_flight) + 1):  # the first group is a warm-up
             # `in_flight` micro-batches as a pipeline runs them: forwards on fresh inputs whose graphs stay
@@ -309,11 +302,6 @@ def _worker(rank: int, world: int, port: int, threads: int, args: dict, queue) -
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_measurements(model_cfg: dict, *, devices: int, threads: int, micro_batch_size: int, repeats: int,
                      nbytes: int) -> list[dict]:
@@ -321,16 +309,26 @@ def run_measurements(model_cfg: dict, *, devices: int, threads: int, micro_batch
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     args = {"model_cfg": model_cfg, "micro_batch_size": micro_batch_size, "repeats": repeats, "nbytes": nbytes}
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, devices, port, threads, args, queue)) for r in range(devices)]
     for p in procs:
         p.start()
+    import queue as queue_module
+
     try:
-        result = queue.get(timeout=600)
+        deadline = time.monotonic() + 600
+        while True:  # a worker that dies (exit code != 0) fails the command at once instead of a 10-minute wait
+            try:
+                return queue.get(timeout=2)
+            except queue_module.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"calibration workers failed (exit codes {failed}) or timed out; see their output above")
     finally:
         for p in procs:
             p.join(timeout=60)
-    return result
+            if p.is_alive():
+                p.kill()
 
 
 def summarize(raw: list[dict], model_cfg: dict, *, micro_batch_size: int, threads: int, nbytes: int,

@@ -97,7 +97,7 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @property
     def data_parallel(self) -> int:
-        return self.device_mesh[DP].size()
+        return self.device_mesh.size() // self.spec.pipeline_parallel
 
     @property
     def loops(self) -> int:

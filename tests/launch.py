@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from lightning_bfpp import procenv
+from lightning_bfpp.procenv import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "run_exact.py"
-_DIST_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-              "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS and not k.startswith("SLURM_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-    return env
+    return procenv.clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
 def load(out: Path, n_configs: int, world: int) -> list[list[dict]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -14,21 +13,14 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from lightning_bfpp.procenv import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 CONF = ROOT / "conf"
 FAST = ["trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
 SUMMARY_KEYS = {"train_loss", "val_loss", "tokens_per_s", "bubble_fraction", "schedule", "pipeline_parallel",
                 "data_parallel", "loops", "micro_batches", "world_size", "steps"}
-_LAUNCH_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "PL_GLOBAL_SEED")
-_LAUNCH_PREFIXES = ("WANDB_", "SLURM_", "TORCHELASTIC_")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without launcher or W&B variables (a parent pytest may carry them)."""
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith(_LAUNCH_PREFIXES)}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
 def run_cli(args: list[str], cwd: Path, launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -39,22 +39,25 @@ class SavedActivationMeter:
     """Peak bytes of tensors saved for backward, counted once per storage; parameters and the step's
     input batch (which exist whatever the schedule) are excluded."""
 
-    def __init__(self, params: Iterable[nn.Parameter]):
-        self._params = list(params)
+    def __init__(self, modules: Iterable[nn.Module]):
+        self._modules = list(modules)
         self.live: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         self.current = 0
         self.peak = 0
 
     def _param_ptrs(self) -> set[int]:
+        """Storages of the parameters registered right now: FSDP2 registers the gathered (unsharded)
+        parameters while a stage is unsharded, so weights autograd saves (e.g. `weight.t()`) are excluded."""
         ptrs = set()
-        for p in self._params:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            ptrs.add(local.untyped_storage().data_ptr())
+        for module in self._modules:
+            for p in module.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                ptrs.add(local.untyped_storage().data_ptr())
         return ptrs
 
     @contextmanager
     def track(self, exclude: Iterable[torch.Tensor] = ()):
-        param_ptrs = self._param_ptrs() | {t.untyped_storage().data_ptr() for t in exclude}
+        batch_ptrs = {t.untyped_storage().data_ptr() for t in exclude}
         meter = self
 
         class _Held:
@@ -79,7 +82,10 @@ class SavedActivationMeter:
                         del meter.live[self.ptr]
 
         def pack(t: torch.Tensor):
-            if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in param_ptrs or t.device.type == "meta":
+            if isinstance(t, nn.Parameter) or t.device.type == "meta":
+                return t
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in batch_ptrs or ptr in meter._param_ptrs():
                 return t
             return _Held(t)
 

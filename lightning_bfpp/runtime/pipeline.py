@@ -52,8 +52,7 @@ class PipelineRunner:
         self.schedules["eval"] = build_schedule(dataclasses.replace(spec, forward_only=True))
         self._runtimes: dict[tuple, tuple[Any, list]] = {}
         self.timeline = Timeline()
-        params = [p for m in modules.values() for p in m.parameters()]
-        self.meter = SavedActivationMeter(params)
+        self.meter = SavedActivationMeter(modules.values())
         self.last_stats: dict[str, float] = {}
 
     @property

@@ -1,0 +1,82 @@
+"""Markdown tables of benchmarks/results/summary.json (pasted into BENCHMARKS.md).
+
+    python benchmarks/report.py [benchmarks/results/summary.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, fmt  # noqa: E402
+
+MiB = 2**20
+
+
+def tables(s: dict) -> str:
+    d, out = s.get("details", {}), []
+    out.append("| goal | target | measured | met |\n|---|---|---|---|")
+    for key, g in s.get("goals", {}).items():
+        value = "—" if g["value"] is None else f"{g['value']:.3f}"
+        out.append(f"| `{key}` | {g['goal']} | {value} | {'—' if g['met'] is None else ('yes' if g['met'] else '**no**')} |")
+    if "p1_fsdp" in d:
+        p1, fs = d["p1_fsdp"]["p1"], d["p1_fsdp"]["fsdp"]
+        out.append("\n**P1 overhead** (per optimizer step; median over rounds of per-round medians, (min–max, n rounds))\n")
+        out.append("| quantity | bfpp in Lightning | raw torch loop | ratio |\n|---|---|---|---|")
+        out.append(f"| period (batch start → next batch start) | {fmt(p1['bfpp_period_s'])} s | {fmt(p1['raw_period_s'])} s | "
+                   f"{fmt(p1['ratio_period'])} |")
+        out.append(f"| step (batch start → batch end) | {fmt(p1['bfpp_step_s'])} s | {fmt(p1['raw_step_s'])} s | "
+                   f"{fmt(p1['ratio_step'])} |")
+        out.append("\n**Comparison with Lightning's FSDP** (same 2 processes, same global batch)\n")
+        out.append("| | bfpp (pp=2, loops=2, m=4) | Lightning FSDP2 (dp=2) | bfpp / FSDP |\n|---|---|---|---|")
+        out.append(f"| step period | {fmt(d['p1_fsdp']['p1']['bfpp_period_s'])} s | {fmt(fs['fsdp_period_s'])} s | "
+                   f"throughput {fmt(fs['throughput_ratio_bfpp_over_fsdp'])} |")
+        bm, fm = fs["bfpp_memory"], fs["fsdp_memory"]
+        out.append(f"| param + grad + AdamW bytes (max rank) | {bm['state_bytes'] / MiB:.2f} MiB | "
+                   f"{fm['state_bytes'] / MiB:.2f} MiB | {fs['state_memory_ratio_bfpp_over_fsdp']:.3f} |")
+        out.append(f"| peak saved activations (max rank) | {bm['activation_bytes'] / MiB:.2f} MiB | "
+                   f"{fm['activation_bytes'] / MiB:.2f} MiB | {fs['activation_memory_ratio_bfpp_over_fsdp']:.3f} |")
+    if "p2" in d:
+        out.append("\n**P2 bubble** (idle / compute, max over ranks; per-round median of steps, then median (min–max) over rounds)\n")
+        out.append("| schedule | loops | formula | measured | abs error | busy share of schedule span | peak saved activations | vs breadth_first |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for name, r in d["p2"]["schedules"].items():
+            out.append(f"| {name} | {r['loops']} | {r['theory']:.3f} | {fmt(r['measured'])} | {r['abs_error']:.3f} | "
+                       f"{r['busy_fraction_of_step']['median']:.3f} | {r['activation_peak_bytes'] / MiB:.2f} MiB | "
+                       f"{r['activation_vs_breadth_first']:.2f} |")
+    if "p4" in d:
+        p4 = d["p4"]
+        out.append("\n**P4 scaling** (one process, one thread vs pp=2 with one thread per rank)\n")
+        out.append("| | step period | samples/s |\n|---|---|---|")
+        out.append(f"| 1 process | {fmt(p4['single_period_s'])} s | {p4['samples_per_s_single']:.2f} |")
+        out.append(f"| bfpp pp=2 | {fmt(p4['bfpp_period_s'])} s | {p4['samples_per_s_bfpp']:.2f} |")
+        out.append(f"| speedup | {fmt(p4['speedup'])} | |")
+        b = p4.get("breakdown_s")
+        if b:
+            out.append(f"\npp=2 step breakdown (s): ideal (half the single step) {b['ideal_half_of_single']:.3f}; "
+                       f"busy compute {b['compute']:.3f}; pipeline idle {b['pipeline_idle']:.3f}; "
+                       f"outside the schedule (optimizer, Lightning) {b['outside_schedule']:.3f}")
+    if "p5" in d:
+        p5 = d["p5"]
+        out.append(f"\n**P5 memory** (pp=2 × dp=2, sharding=full, {p5['model_params']:,} parameters; "
+                   f"stage layers {p5['stage_layers']})\n")
+        out.append("| rank | params | grads | AdamW state | total | total / (full / pp·dp) |\n|---|---|---|---|---|---|")
+        exp = p5["expected_per_rank"]
+        for name, m in sorted(p5["per_rank"].items()):
+            out.append(f"| {name} | {m['param_bytes'] / MiB:.3f} MiB | {m['grad_bytes'] / MiB:.3f} MiB | "
+                       f"{m['optimizer_bytes'] / MiB:.3f} MiB | {m['state_bytes'] / MiB:.3f} MiB | "
+                       f"{m['state_bytes'] / exp['state_bytes']:.4f} |")
+        out.append(f"| full / (pp·dp) | {exp['param_bytes'] / MiB:.3f} MiB | {exp['grad_bytes'] / MiB:.3f} MiB | "
+                   f"{exp['optimizer_bytes'] / MiB:.3f} MiB | {exp['state_bytes'] / MiB:.3f} MiB | 1 |")
+        out.append(f"\nmax error {p5['max_error']:.4f}: partition (whole layers per stage) {p5['partition_error']:.4f}, "
+                   f"FSDP shard padding {p5['fsdp_padding_error']:.4f}")
+    if s.get("bench_seconds"):
+        out.append(f"\nwall time per benchmark (s): {s['bench_seconds']}; total {s.get('elapsed_s')} s")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "summary.json"
+    print(tables(json.loads(path.read_text())))

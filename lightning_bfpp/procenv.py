@@ -1,0 +1,36 @@
+# Scope: starting fresh distributed processes from a script, a test or a benchmark: a free local port
+# and an environment without the variables of whatever launcher started the caller.
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+# Set by Lightning's popen launcher (also in the parent afterwards), torchrun, SLURM, or W&B.
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                 "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "WANDB_")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment minus launcher variables, with the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def runqueue_wait() -> float:
+    """Seconds this thread has waited for a CPU so far (Linux schedstat; 0 where unavailable): the time
+    other processes took from it, to tell a clean timing from one disturbed by a shared machine."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0

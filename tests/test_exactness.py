@@ -30,6 +30,8 @@ WORLD4 = [
     {"pp": 2, "loops": 2, "m": 2, "reshard": True, "trace": True},
     {"pp": 2, "loops": 2, "m": 2, "sharding": "none"},
     {"pp": 2, "loops": 2, "m": 2, "eval": True},
+    {"pp": 2, "loops": 2, "m": 4, "batch": 32, "sharding": "full", "id": "act-full"},
+    {"pp": 2, "loops": 2, "m": 4, "batch": 32, "sharding": "none", "id": "act-none"},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -145,6 +147,16 @@ def test_saved_activation_memory_follows_the_papers_ordering(runs):
     assert 0.6 <= peak["depth_first"] / peak["1f1b"] <= 1.6
     assert peak["gpipe"] >= 2 * peak["1f1b"] and peak["breadth_first"] >= 2 * peak["depth_first"]
     assert 2.5 <= peak["breadth_first"] / peak["breadth_first_groups4"] <= 5
+
+
+def test_activation_meter_does_not_count_fsdp_gathered_weights(runs):
+    """Weights FSDP gathers and autograd saves (e.g. `weight.t()`) are parameters, not activations:
+    the same activation bytes per rank with and without sharding."""
+    full, none = (runs(4)[next(i for i, c in enumerate(WORLD4) if c.get("id") == key)] for key in ("act-full", "act-none"))
+    for rank in range(4):
+        a = full[0]["stats"]["memory"][rank]["activation_peak_bytes"]
+        b = none[0]["stats"]["memory"][rank]["activation_peak_bytes"]
+        assert a == b > 0, (rank, a, b)
 
 
 @pytest.mark.parametrize("index", [i for i, c in enumerate(WORLD4) if c.get("trace")])

@@ -44,20 +44,23 @@ class SavedActivationMeter:
         self.live: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
         self.current = 0
         self.peak = 0
+        self._param_ptrs: set[int] = set()
 
-    def _param_ptrs(self) -> set[int]:
-        """Storages of the parameters registered right now: FSDP2 registers the gathered (unsharded)
-        parameters while a stage is unsharded, so weights autograd saves (e.g. `weight.t()`) are excluded."""
-        ptrs = set()
-        for module in self._modules:
-            for p in module.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                ptrs.add(local.untyped_storage().data_ptr())
-        return ptrs
+    def refresh(self) -> None:
+        """Note the storages of the parameters registered right now. FSDP2 registers the gathered
+        (unsharded) parameters while a stage is unsharded, so weights autograd saves (e.g. `weight.t()`)
+        are not activations. Re-read at every storage not known yet (cost: one pass over the local
+        parameters per saved activation)."""
+        self._param_ptrs = {
+            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for module in self._modules
+            for p in module.parameters()
+        }
 
     @contextmanager
     def track(self, exclude: Iterable[torch.Tensor] = ()):
         batch_ptrs = {t.untyped_storage().data_ptr() for t in exclude}
+        self.refresh()
         meter = self
 
         class _Held:
@@ -85,7 +88,9 @@ class SavedActivationMeter:
             if isinstance(t, nn.Parameter) or t.device.type == "meta":
                 return t
             ptr = t.untyped_storage().data_ptr()
-            if ptr in batch_ptrs or ptr in meter._param_ptrs():
+            if ptr not in meter._param_ptrs and ptr not in batch_ptrs:
+                meter.refresh()  # FSDP2 may have swapped in gathered parameters since the last look
+            if ptr in batch_ptrs or ptr in meter._param_ptrs:
                 return t
             return _Held(t)
 

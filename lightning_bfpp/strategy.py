@@ -30,6 +30,11 @@ from .schedule import Schedule, ScheduleSpec, build_schedule
 SHARDING = ("full", "none")
 
 
+def _unwrap(optimizer):
+    """The torch optimizer behind a LightningOptimizer (or the optimizer itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
 class BFPPStrategy(ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
 
@@ -191,9 +196,7 @@ class BFPPStrategy(ModelParallelStrategy):
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return ckpt.optimizer_state(self.model, optimizer)
+        return ckpt.optimizer_state(self.model, _unwrap(optimizer))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -210,7 +213,7 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [_unwrap(o) for o in self.optimizers]
         return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
 
     @override

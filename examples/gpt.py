@@ -22,8 +22,11 @@ class GPTConfig:
     block_size: int = 64  # context length in tokens (bytes)
     vocab_size: int = 256  # 256 for byte-level text
     dropout: float = 0.0  # dropout on attention, MLP and embedding outputs
-    tie_weights: bool = False  # share the token embedding with the output head (pp == 1 only)
-    activation_checkpointing: bool = False  # recompute each block in backward instead of saving activations
+    tie_weights: bool = False  # share the token embedding with the output head (bfpp: a copy per stage, grads summed)
+    # recompute each block in backward instead of saving its activations. This is the plain-Lightning
+    # switch (strategy=auto); under bfpp examples/train.py passes it to BFPPStrategy(activation_checkpointing=)
+    # instead, which checkpoints every layer of every stage, and sets this one to False.
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -96,7 +99,13 @@ class Head(nn.Module):
 class GPT(PipelineHooks, L.LightningModule):
     def __init__(self, cfg: GPTConfig, optim: OptimConfig | None = None) -> None:
         super().__init__()
-        assert cfg.n_embd % cfg.n_head == 0, f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}"
+        if not (isinstance(cfg.n_head, int) and cfg.n_head >= 1 and cfg.n_embd % cfg.n_head == 0):
+            heads = [h for h in range(1, min(cfg.n_embd, 16) + 1) if cfg.n_embd % h == 0] if cfg.n_embd >= 1 else []
+            raise ValueError(
+                f"model.n_embd={cfg.n_embd} must be divisible by model.n_head={cfg.n_head} (a positive number of "
+                f"attention heads of equal width); use model.n_head in {heads}, or make model.n_embd a multiple "
+                "of model.n_head."
+            )
         self.cfg, self.optim = cfg, optim or OptimConfig()
         self.embedding = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -121,16 +130,6 @@ class GPT(PipelineHooks, L.LightningModule):
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))  # mean nats per byte
-
-    def setup(self, stage: str) -> None:
-        strategy = self.trainer.strategy
-        stages = getattr(strategy, "pipeline_parallel", 1) * getattr(strategy, "loops", 1)
-        if self.cfg.tie_weights and stages > 1:
-            raise ValueError(
-                f"model.tie_weights=true needs a single pipeline stage (got pipeline_parallel * loops = {stages}): the "
-                "tied embedding would live in both the first and the last stage. Set model.tie_weights=false, or "
-                "schedule.pipeline_parallel=1 schedule.loops=1."
-            )
 
     # ---- plain Lightning (no bfpp): the same loss under the same names ----
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `gpt` next to this file, also under `python -m`
+from config_checks import check_config  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
@@ -63,6 +64,16 @@ def from_config(cls, node: DictConfig):
     return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
+def model_config(cfg: DictConfig) -> GPTConfig:
+    """GPTConfig from `model.*` (the yaml may hold more keys, e.g. for the planner). Activation checkpointing
+    is applied in one place: by the GPT's blocks under strategy=auto, by the strategy under bfpp
+    (build_strategy), where the blocks' own is switched off so that nothing is recomputed twice."""
+    model_cfg = from_config(GPTConfig, cfg.model)
+    if cfg.trainer.strategy == "bfpp":
+        model_cfg = dataclasses.replace(model_cfg, activation_checkpointing=False)
+    return model_cfg
+
+
 def world_size(cfg: DictConfig) -> int:
     return int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)
 
@@ -73,7 +84,9 @@ def build_strategy(cfg: DictConfig):
     if cfg.trainer.strategy != "bfpp":
         raise ValueError(f"trainer.strategy={cfg.trainer.strategy!r}: use bfpp or auto")
     s = OmegaConf.to_container(cfg.schedule, resolve=True)
-    return BFPPStrategy(schedule=s.pop("name"), **s)
+    # model.activation_checkpointing: applied by the strategy to every layer of every local stage (see model_config)
+    ac = bool(cfg.model.get("activation_checkpointing", False))
+    return BFPPStrategy(schedule=s.pop("name"), activation_checkpointing=ac, **s)
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str) -> list:
@@ -120,6 +133,7 @@ def prepare_relaunch() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
+    check_config(cfg)  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
     env_before = dict(os.environ)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     launches_children = "LOCAL_RANK" not in os.environ and not os.environ.get("SLURM_NTASKS")
@@ -141,7 +155,7 @@ def main(cfg: DictConfig) -> dict | None:
 
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     L.seed_everything(cfg.data.seed, workers=True)
-    model_cfg = from_config(GPTConfig, cfg.model)  # the yaml may hold more keys (e.g. for the planner)
+    model_cfg = model_config(cfg)
     optim = from_config(OptimConfig, cfg.optim)
     optim.betas = tuple(optim.betas)
     model = GPT(model_cfg, optim)

@@ -72,22 +72,54 @@ def is_sharded(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
 
 
-def load(path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool = True) -> dict[str, Any]:
-    """Load a sharded checkpoint (any layout) or a single full file into the local stages; return metadata."""
+def load(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool = True,
+    aliases: dict[str, list[str]] | None = None,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint (any layout) or a single full file into the local stages; return metadata.
+
+    `aliases`: other names of a shared (tied) weight. A layout with one copy saves its optimizer state under
+    one name only; a layout with a copy per stage reads each copy's state from whichever name was saved."""
     path = Path(path)
     if is_sharded(path):
         model_state = {"state_dict": get_model_state_dict(module, options=MODEL_OPTIONS)}
         dcp.load(model_state, checkpoint_id=path)
         set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=strict))
+        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         for i, opt in enumerate(optimizers):
-            opt_state = {f"optimizer_{i}": optimizer_state(module, opt)}
-            dcp.load(opt_state, checkpoint_id=path)
-            set_optimizer_state_dict(module, opt, opt_state[f"optimizer_{i}"], options=OPTIM_OPTIONS)
+            wanted = optimizer_state(module, opt)
+            renamed = _saved_names(wanted, f"optimizer_{i}", saved, aliases or {})
+            request = {f"optimizer_{i}": {renamed.get(k, k): v for k, v in wanted.items()}}
+            dcp.load(request, checkpoint_id=path)
+            back = {v: k for k, v in renamed.items()}
+            loaded = {back.get(k, k): v for k, v in request[f"optimizer_{i}"].items()}
+            set_optimizer_state_dict(module, opt, loaded, options=OPTIM_OPTIONS)
         _restore_rng(path)
         return torch.load(path / META_FILE, weights_only=False)
     if path.is_file():
         return _load_full_file(path, module, strict)
     raise FileNotFoundError(f"ckpt_path={str(path)!r} is neither a bfpp checkpoint folder (with {META_FILE}) nor a file.")
+
+
+def _saved_names(wanted: dict[str, Any], prefix: str, saved: set[str], aliases: dict[str, list[str]]) -> dict[str, str]:
+    """{flattened optimizer key: the key to read instead} for keys of a tied weight saved under another name
+    (flattened keys look like 'state.<parameter name>.exp_avg' and 'param_groups.<parameter name>.lr')."""
+    renamed = {}
+    for key in wanted:
+        if f"{prefix}.{key}" in saved:
+            continue
+        kind, _, rest = key.partition(".")
+        for name, others in aliases.items():
+            if rest.startswith(name + "."):
+                for other in others:
+                    alt = f"{kind}.{other}{rest[len(name):]}"
+                    if f"{prefix}.{alt}" in saved:
+                        renamed[key] = alt
+                        break
+    return renamed
 
 
 def _restore_rng(path: Path) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def layer_names(root: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
@@ -28,7 +31,7 @@ def balanced_layout(weights: Sequence[int], num_stages: int) -> list[int]:
     if num_stages > n:
         raise ValueError(
             f"{num_stages} stages (pipeline_parallel x loops) need at least as many layers, "
-            f"but pipeline_layers() returns {n}; lower pipeline_parallel or loops."
+            f"but pipeline_layers() returns {n}; lower pipeline_parallel or loops so that pipeline_parallel x loops <= {n}."
         )
     prefix = [0]
     for w in weights:
@@ -51,21 +54,32 @@ def balanced_layout(weights: Sequence[int], num_stages: int) -> list[int]:
     return layout[::-1]
 
 
-def check_layout(layout: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    layout = list(layout)
-    if len(layout) != num_stages or any(n < 1 for n in layout) or sum(layout) != num_layers:
-        raise ValueError(
-            f"stage_layers={layout} must list {num_stages} positive layer counts (pipeline_parallel x loops) "
-            f"summing to the {num_layers} layers of pipeline_layers()."
-        )
-    return layout
+def check_layout(layout: Sequence[int], num_layers: int | None, num_stages: int) -> list[int]:
+    """`layout` (stage_layers) as a list: one positive layer count per stage, summing to `num_layers` (not
+    checked while the model is unknown: None)."""
+    counts = list(layout) if isinstance(layout, Sequence) and not isinstance(layout, str) else None
+    legal = counts is not None and len(counts) == num_stages and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
+    if legal and (num_layers is None or sum(counts) == num_layers):
+        return counts
+    total = "" if num_layers is None else f" summing to the {num_layers} layers of pipeline_layers()"
+    example = ""
+    if num_layers is not None and num_layers >= num_stages:
+        even = [num_layers // num_stages + (i < num_layers % num_stages) for i in range(num_stages)]
+        example = f"e.g. stage_layers={even}, or "
+    raise ValueError(
+        f"stage_layers={counts if counts is not None else layout!r} must list {num_stages} positive layer counts "
+        f"(one per stage: pipeline_parallel x loops){total}; {example}leave stage_layers unset (None) to "
+        "balance the stages by parameter count."
+    )
 
 
 class StageModule(nn.Module):
     """A contiguous run of the model's layers, registered under their original qualified names."""
 
-    def __init__(self, named_layers: Sequence[tuple[str, nn.Module]]):
+    def __init__(self, named_layers: Sequence[tuple[str, nn.Module]], index: int = 0, rank: int = 0):
         super().__init__()
+        self.index, self.rank = index, rank  # global stage index, pipeline rank: named in errors
         self._order: list[str] = [name for name, _ in named_layers]
         for name, layer in named_layers:
             parent: nn.Module = self
@@ -76,12 +90,36 @@ class StageModule(nn.Module):
                 parent = parent._modules[part]
             parent.add_module(leaf, layer)
 
+    # Set by the strategy (activation_checkpointing=True): each layer keeps only its inputs for backward
+    # and runs its forward again there (torch.utils.checkpoint, non-reentrant). Wrapping happens here, per
+    # call, so no module is wrapped and parameter names and state-dict keys stay the model's own.
+    activation_checkpointing: bool = False
+
     def forward(self, *args):
         out = args if len(args) != 1 else args[0]
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for name in self._order:
             layer = self.get_submodule(name)
-            out = layer(*out) if isinstance(out, tuple) else layer(out)
+            inputs = out if isinstance(out, tuple) else (out,)
+            try:
+                # tensors passed as separate arguments: checkpoint saves them through autograd (so the
+                # saved-activation meter counts them) and re-runs layer(*inputs) in backward
+                out = checkpoint(layer, *inputs, use_reentrant=False) if recompute else layer(*inputs)
+            except Exception as error:  # say where in the pipeline, and what came in (e.g. a new sequence length)
+                error.add_note(
+                    f"bfpp: in layer {name} of stage {self.index} (pipeline rank {self.rank}; layers "
+                    f"{', '.join(self._order)}); stage input {describe(args)}, layer input {describe(inputs)}"
+                )
+                raise
         return out
+
+
+def describe(values: Sequence[Any]) -> str:
+    """'float32[4, 16], int64[4]': dtypes and shapes of tensors (other values by type)."""
+    return ", ".join(
+        f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        for v in values
+    )
 
 
 class RemoteLayer(nn.Module):
@@ -98,17 +136,14 @@ class RemoteLayer(nn.Module):
         return self.where
 
 
-def split_stages(
-    root: nn.Module,
-    layers: Sequence[nn.Module],
-    num_stages: int,
-    local_stages: Sequence[int],
-    stage_rank,
-    layout: Sequence[int] | None = None,
-) -> tuple[dict[int, StageModule], list[list[str]]]:
-    """Build the local StageModules; replace layers of other ranks in `root` by RemoteLayer.
+def plan_stages(
+    root: nn.Module, layers: Sequence[nn.Module], num_stages: int, layout: Sequence[int] | None = None
+) -> list[list[str]]:
+    """The layer names of every stage, after checking the model against the contract; `root` is not changed.
 
-    Returns (local stage index -> StageModule, layer names of every stage).
+    Raises ValueError when a layer is not a registered submodule of `root`, a parameter lies outside every
+    layer, or the layers do not fill `num_stages` stages (`layout`:
+    explicit layers per stage; default: balanced by parameter count).
     """
     names = layer_names(root, layers)
     covered = {f"{n}.{p}" for n, layer in zip(names, layers) for p, _ in layer.named_parameters()}
@@ -124,8 +159,24 @@ def split_stages(
     for c in counts:
         stage_names.append(names[start : start + c])
         start += c
-    by_name = dict(zip(names, layers))
-    local = {s: StageModule([(n, by_name[n]) for n in stage_names[s]]) for s in local_stages}
+    return stage_names
+
+
+def split_stages(
+    root: nn.Module,
+    layers: Sequence[nn.Module],
+    num_stages: int,
+    local_stages: Sequence[int],
+    stage_rank,
+    layout: Sequence[int] | None = None,
+) -> tuple[dict[int, StageModule], list[list[str]]]:
+    """Build the local StageModules; replace layers of other ranks in `root` by RemoteLayer.
+
+    Returns (local stage index -> StageModule, layer names of every stage).
+    """
+    stage_names = plan_stages(root, layers, num_stages, layout)
+    by_name = dict(zip(layer_names(root, layers), layers))
+    local = {s: StageModule([(n, by_name[n]) for n in stage_names[s]], s, stage_rank(s)) for s in local_stages}
     for s, group in enumerate(stage_names):
         if s in local:
             continue

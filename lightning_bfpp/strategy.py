@@ -3,8 +3,12 @@
 # (launchers, sampler, checkpoint I/O, loops) is Lightning's ModelParallelStrategy.
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
+from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,20 +18,26 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .hooks import check_hooks
-from .parallel import DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage
-from .partition import split_stages
+from .parallel import (DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
+                       stage_mixed_precision)
+from .partition import check_layout, plan_stages, split_stages
 from .resume import skip_consumed_batches
 from .runtime.instrument import local_bytes, optimizer_bytes
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, build_schedule
+from .tied import TiedWeights, find_shared_weights
+from .watchdog import Watchdog
 
 SHARDING = ("full", "none")
+NONFINITE_LOSS = ("stop", "skip")
 
 
 def _unwrap(optimizer):
@@ -47,7 +57,14 @@ class BFPPStrategy(ModelParallelStrategy):
         sharding: "full" (FSDP2 over data parallel) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward.
         stage_layers: explicit layer count per stage (default: balanced by parameter count).
-        process_group_backend, timeout: as in ModelParallelStrategy (timeout bounds every distributed wait).
+        activation_checkpointing: recompute every layer of every local stage in backward (one extra forward
+            per layer) instead of keeping its activations; only each layer's inputs stay saved.
+        nonfinite_loss: a NaN/inf training loss (seen by every rank at once) "stop"s the run with an error
+            before the optimizer step, or "skip"s that batch's gradients and goes on (counted as
+            ``skipped_batches``).
+        process_group_backend: as in ModelParallelStrategy.
+        timeout: bound on every distributed wait — collectives, p2p, the store (a timedelta or seconds; default
+            30 min, torch's). A rank that dies or fails ends the job long before: see ``lightning_bfpp.watchdog``.
 
     Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
     parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
@@ -65,9 +82,15 @@ class BFPPStrategy(ModelParallelStrategy):
         sharding: Literal["full", "none"] = "full",
         reshard_after_forward: bool = False,
         stage_layers: Sequence[int] | None = None,
+        activation_checkpointing: bool = False,
+        nonfinite_loss: Literal["stop", "skip"] = "stop",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            if timeout <= 0:
+                raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default 1800).")
+            timeout = timedelta(seconds=timeout)
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -76,7 +99,13 @@ class BFPPStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         if sharding not in SHARDING:
-            raise ValueError(f"sharding={sharding!r} must be one of {SHARDING}.")
+            raise ValueError(
+                f"sharding={sharding!r} is unknown; choose one of {', '.join(SHARDING)} (full: FSDP over data "
+                "parallel; none: replicated weights, gradients all-reduced)."
+            )
+        if nonfinite_loss not in NONFINITE_LOSS:
+            raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be one of {NONFINITE_LOSS}: stop the run, or skip the step.")
+        self.nonfinite_loss = nonfinite_loss
         self.spec = ScheduleSpec(
             name=schedule,
             pipeline_parallel=pipeline_parallel,
@@ -89,11 +118,18 @@ class BFPPStrategy(ModelParallelStrategy):
         # (dependencies, send/receive pairing, no deadlock) now, and this very schedule is what runs.
         self._train_schedule = build_schedule(self.spec)
         self.sharding = sharding
-        self.stage_layers = list(stage_layers) if stage_layers else None
+        self.activation_checkpointing = bool(activation_checkpointing)
+        self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
+        # one positive count per stage now; that they add up to the model's layers is checked by check_model
+        self.stage_layers = check_layout(stage_layers, None, self.spec.num_stages) if stage_layers else None
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
         self.step_stats: dict[str, Any] = {}
         self._fresh_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self.skipped_batches = 0
+        self.tied: TiedWeights | None = None
+        self._watchdog: Watchdog | None = None
+        self._failed = False
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -126,18 +162,51 @@ class BFPPStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         world = self.num_processes * self.num_nodes
         if world and world % self.spec.pipeline_parallel:
+            fits = [pp for pp in range(1, world + 1) if world % pp == 0]
             raise ValueError(
                 f"pipeline_parallel={self.spec.pipeline_parallel} must divide the world size {world} "
-                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); change devices or pipeline_parallel."
+                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); use pipeline_parallel in {fits}, "
+                f"or devices x num_nodes a multiple of {self.spec.pipeline_parallel}."
             )
         super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:  # check the model before starting the children
+            self._launcher = _CheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
-        self._device_mesh = build_mesh(self.root_device.type, self.spec.pipeline_parallel, self.world_size)
+        if self.world_size > 1 and self._watchdog is None:
+            self._watchdog = Watchdog(self.global_rank, self.world_size, on_exit=self._kill_children)
+            self._watchdog.start()
+            self._failed = False
+        self._device_mesh = build_mesh(self.root_device.type, self.spec.pipeline_parallel, self.world_size, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _kill_children(self, wait: float = 0.0) -> None:
+        """When this rank is Lightning's launching process, its child ranks go down with it (after `wait`
+        seconds in which they may stop by themselves and say why)."""
+        if isinstance(self.launcher, _SubprocessScriptLauncher):
+            deadline = time.monotonic() + wait
+            while any(p.poll() is None for p in self.launcher.procs) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.launcher.kill(signal.SIGKILL)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that failed first, on every rank (see ``lightning_bfpp.watchdog``). The launching
+        process hosts the job's store: it outlives its children so they can read why the job stops."""
+        self._failed = True
+        if self._watchdog is not None:
+            self._watchdog.report(exception)
+            self._kill_children(wait=self._watchdog.interval + self._watchdog.grace + 1.0)
+
+    @override
+    def teardown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop(finished=not self._failed)
+            self._watchdog = None
+        super().teardown()
 
     # ---- model ---------------------------------------------------------------------------------
     @override
@@ -145,10 +214,8 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        check_hooks(module)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("strategy='bfpp' does not support loss scaling (fp16-mixed); use precision='bf16-mixed'.")
         if self.runner is None:
+            self.check_model(module)  # again on every rank: under torchrun/SLURM no launcher has checked it
             self.runner = self._build_pipeline(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -156,29 +223,69 @@ class BFPPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_precision()
         self._install_global_clipping()
+
+    def check_model(self, module) -> list[list[str]]:
+        """Check `module` against these settings without changing it; return the layer names of every stage.
+
+        Raises when a pipeline hook is missing, fp16 loss scaling is on, or the layers cannot be cut into
+        pipeline_parallel x loops stages (see ``partition.plan_stages``). Lightning's launcher runs this in the
+        launching process before it starts the others; ``setup`` runs it on every rank.
+        """
+        check_hooks(module)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError("strategy='bfpp' does not support loss scaling (fp16-mixed); use precision='bf16-mixed'.")
+        return plan_stages(module, list(module.pipeline_layers()), self.spec.num_stages, self.stage_layers)
 
     def _build_pipeline(self, module) -> PipelineRunner:
         pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
+        layers = list(module.pipeline_layers())
         modules, self.stage_layer_names = split_stages(
             module,
-            list(module.pipeline_layers()),
+            layers,
             self.spec.num_stages,
             self.spec.local_stages(pp_mesh.get_local_rank()),
             self.spec.stage_rank,
             self.stage_layers,
         )
+        # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded
+        shared = find_shared_weights(dict(zip(chain(*self.stage_layer_names), layers)), self.stage_layer_names)
+        self.tied = TiedWeights(module, shared, modules, self.spec.stage_rank, dp_mesh.size(), self.global_rank, self._timeout)
         _materialize_distributed_module(module, self.root_device)  # only local layers remain
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        for stage in modules.values():
+            stage.activation_checkpointing = self.activation_checkpointing
         sharded = self.sharding == "full" and dp_mesh.size() > 1
         if sharded:
-            for stage in modules.values():
-                shard_stage(stage, dp_mesh)
+            precision, last = getattr(self.precision_plugin, "precision", "32-true"), self.spec.num_stages - 1
+            for s, stage in modules.items():
+                shard_stage(stage, dp_mesh, stage_mixed_precision(precision, last_stage=s == last))
+            self._fsdp_mixed_precision = precision == "bf16-mixed"
         replicate_group = dp_mesh.get_group() if not sharded and dp_mesh.size() > 1 else None
         return PipelineRunner(
             self._train_schedule, modules, self.root_device, pp_mesh.get_group(), module.pipeline_loss, replicate_group
         )
+
+    def _install_precision(self) -> None:
+        """Precision per Lightning's `precision` flag (its plugin is kept; only its forward context changes):
+
+        - "32-true": fp32 everywhere.
+        - "bf16-mixed", stages FSDP-sharded (sharding="full", dp > 1): FSDP2 MixedPrecisionPolicy on every
+          stage (``parallel.stage_mixed_precision``): fp32 sharded parameters (master weights), bf16 compute,
+          all-gathers and p2p activations/gradients, fp32 gradient reduction, fp32 last-stage output and
+          loss. The plugin's autocast is switched off: casting twice would only add copies.
+        - "bf16-mixed", unsharded stages (dp = 1 or sharding="none"): the plugin's ``torch.autocast(bf16)``
+          around the pipeline, as Lightning does; parameters and gradients (and their all-reduce) stay fp32;
+          p2p tensors have the dtype the stage's last op gives under autocast (bf16 after a Linear, fp32 for
+          a residual stream kept in fp32).
+        - "bf16-true": the plugin casts the model to bf16 before sharding (parameters, gradients, optimizer
+          state, p2p and gradient reduction all bf16; float batches cast to bf16 by Lightning's loops).
+        - "16-mixed" needs loss scaling: rejected in ``check_model``.
+        """
+        if self._fsdp_mixed_precision:
+            self.precision_plugin.forward_context = nullcontext
 
     def _install_global_clipping(self) -> None:
         """Norm clipping must see the whole model: the precision plugin's per-rank norm is replaced by one
@@ -188,8 +295,10 @@ class BFPPStrategy(ModelParallelStrategy):
         sharded = self.sharding == "full" and self.device_mesh[DP].size() > 1
         dp_group = self.device_mesh[DP].get_group() if sharded else None
 
+        not_counted = self.tied.not_counted() if self.tied is not None else set()  # shared weights count once
+
         def clip_grad_by_norm(optimizer, clip_val) -> None:
-            clip_grad_norm_global(plugin.main_params(optimizer), float(clip_val), pp_group, dp_group)
+            clip_grad_norm_global(plugin.main_params(optimizer), float(clip_val), pp_group, dp_group, not_counted)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
@@ -214,7 +323,8 @@ class BFPPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [_unwrap(o) for o in self.optimizers]
-        return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading)
+        aliases = self.tied.aliases() if self.tied is not None else None
+        return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading, aliases=aliases)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -237,6 +347,8 @@ class BFPPStrategy(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self.runner is not None
         module = self.lightning_module
+        if self._watchdog is not None:
+            self._watchdog.progress(module.trainer.global_step)
         inputs, target = module.pipeline_inputs(args[0])
         params = [p for p in module.parameters() if p.requires_grad]
         previous = [p.grad for p in params]  # grads of earlier accumulation batches: kept out of 1/m scaling
@@ -244,6 +356,8 @@ class BFPPStrategy(ModelParallelStrategy):
             p.grad = None
         with self.precision_plugin.train_step_context():
             loss = self.runner.train_step(inputs, target)
+        if self.tied:
+            self.tied.sum_gradients()
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
         self._fresh_grads = [(p, p.grad) for p in params]
         for p, g in zip(params, previous):
@@ -251,6 +365,25 @@ class BFPPStrategy(ModelParallelStrategy):
         loss = share_from_ranks(loss, self.data_parallel, self.root_device)
         self._update_stats(params)
         module.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(inputs))
+        if not torch.isfinite(loss):  # the shared loss: every rank takes this branch together
+            return self._on_nonfinite_loss(loss, args[1] if len(args) > 1 else None)
+        return loss
+
+    def _on_nonfinite_loss(self, loss: torch.Tensor, batch_idx: int | None) -> torch.Tensor:
+        """Stop every rank before the optimizer step (weights and checkpoints stay the last good ones), or drop
+        this batch's gradients. (Lightning refuses a None step output in distributed runs.)"""
+        trainer = self.lightning_module.trainer
+        where = f"train_loss={loss.item()} at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {batch_idx})"
+        if self.nonfinite_loss == "stop":
+            raise FloatingPointError(
+                f"{where}: stopping every rank before the optimizer step, so the weights and the last checkpoint are the "
+                "last good ones. Check the data and the learning rate, or set nonfinite_loss='skip' (Hydra: "
+                "schedule.nonfinite_loss=skip) to drop such batches."
+            )
+        self._fresh_grads = []  # backward hands nothing over; parameters without gradients are not stepped
+        self.skipped_batches += 1
+        self.lightning_module.log("skipped_batches", float(self.skipped_batches), batch_size=1)
+        rank_zero_warn(f"{where}: dropped that batch's gradients (nonfinite_loss='skip', {self.skipped_batches} so far).")
         return loss
 
     @override
@@ -323,3 +456,19 @@ class BFPPStrategy(ModelParallelStrategy):
         self.step_stats["memory"] = {
             rank: {k: int(row[c]) for k, c in zip(memory_keys, columns)} for rank, row in enumerate(table.tolist())
         }
+
+
+class _CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher, checking the model against the strategy's settings first: a model that
+    cannot be cut into the requested stages fails once, in this process, before any other process starts."""
+
+    def __init__(self, strategy: BFPPStrategy, *args: Any) -> None:
+        super().__init__(*args)
+        self._strategy = strategy
+
+    @override
+    def launch(self, function, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        module = self._strategy.lightning_module
+        if module is not None and self._strategy.runner is None:  # once built, the model is already cut
+            self._strategy.check_model(module)
+        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -26,16 +26,20 @@ class Block(nn.Module):
 class StackNet(PipelineHooks, LightningModule):
     """embed -> blocks -> head; the ~15 lines that make it pipelinable are the three pipeline_* hooks."""
 
-    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd"):
+    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd", tied: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.lr, self.opt = lr, opt
         self.embed = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_blocks))
+        self.unembed = None
+        if tied:  # a layer before the head that reuses the input projection's matrix (first and last stage)
+            self.unembed = nn.Linear(DIM, DIM, bias=False)
+            self.unembed.weight = self.embed.weight
         self.head = nn.Linear(DIM, CLASSES)
 
     def pipeline_layers(self):
-        return [self.embed, *self.blocks, self.head]
+        return [self.embed, *self.blocks, *([self.unembed] if self.unembed is not None else []), self.head]
 
     def pipeline_loss(self, output, target):
         return F.cross_entropy(output, target)
@@ -87,11 +91,13 @@ def lightning_batches(global_batch: int, data_parallel: int):
 
 
 def reference(
-    steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0
+    steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0,
+    skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False,
 ):
-    """Plain single-process training on the same data order; returns (final state dict, per-batch losses)."""
+    """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
+    Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1)."""
     torch.manual_seed(seed)
-    model = StackNet()
+    model = StackNet(opt=opt, tied=tied)
     opt = model.configure_optimizers()
     data = lightning_batches(global_batch, data_parallel)
     losses = []
@@ -100,7 +106,8 @@ def reference(
         for _ in range(accumulate):
             x, y = next(data)
             loss = model.pipeline_loss(model(x), y)
-            (loss / accumulate).backward()
+            if len(losses) not in skip_batches:
+                (loss / accumulate).backward()
             losses.append(loss.item())
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

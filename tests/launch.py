@@ -32,10 +32,15 @@ def _check(procs: list[subprocess.Popen], timeout: float) -> None:
             raise AssertionError(f"launch failed (exit {p.returncode}); errors:\n{errors}\n--- tail:\n{out[-6000:]}")
 
 
+def start_lightning(out: Path, devices: int, configs: list[dict]) -> subprocess.Popen:
+    """Lightning's own launcher: this process is rank 0 and starts ranks 1.. itself (output: one pipe)."""
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), json.dumps(configs)],
+                            env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 def run_lightning(out: Path, devices: int, configs: list[dict], timeout: float = 480) -> list[list[dict]]:
-    p = subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(devices), json.dumps(configs)],
-                         env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p = start_lightning(out, devices, configs)
     _check([p], timeout)
     return load(out, len(configs), devices)
 

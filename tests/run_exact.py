@@ -3,7 +3,12 @@
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
 eval (validate/test/predict after fit), opt (sgd|adamw),
-save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), trace (record FSDP all-gathers / reduce-scatters of step 2). Rank R of config i writes
+save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index),
+nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, and pid_dir/exceptionR =
+"<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
+projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
+precision (Trainer's, default 32-true), ac (activation_checkpointing). Every run also records "dtypes": p2p
+receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
 """
@@ -11,7 +16,9 @@ Works under Lightning's own launcher (popen), torchrun and SLURM variables alike
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,9 +35,12 @@ from lightning_bfpp import BFPPStrategy  # noqa: E402
 class Record(Callback):
     """Losses per batch; optionally the FSDP collectives actually issued during the second step."""
 
-    def __init__(self, trace: bool, fail_rank: int | None = None):
+    def __init__(self, trace: bool, fail_rank: int | None = None, cfg: dict | None = None):
         self.fail_rank = fail_rank
+        self.cfg = cfg or {}
+        self.tied_history: dict[str, list[torch.Tensor]] = {}
         self.losses: list[float] = []
+        self.grad_dtypes: dict[str, str] = {}
         self.trace = trace
         self.events: list[tuple[str, int]] = []
         self._on = False
@@ -62,28 +72,79 @@ class Record(Callback):
         self._on = batch_idx == 1
         if batch_idx == 1 and trainer.global_rank == self.fail_rank:
             raise RuntimeError(f"injected failure on rank {trainer.global_rank}")
+        if batch_idx == 1 and trainer.global_rank == self.cfg.get("hang_rank"):
+            time.sleep(3600)  # alive but stuck: the others' distributed waits must time out
+        if self.cfg.get("pid_dir") and trainer.global_step == 1:  # training is under way: tell the test who is who
+            Path(self.cfg["pid_dir"], f"rank{trainer.global_rank}").write_text(str(os.getpid()))
+        time.sleep(self.cfg.get("step_sleep", 0))
+        if batch_idx == self.cfg.get("wide_batch"):  # a batch the first layer cannot take (one feature too many)
+            batch[0] = torch.cat([batch[0], batch[0][:, :1]], dim=1)
+        if batch_idx == self.cfg.get("nan_batch") and trainer.strategy.device_mesh["data_parallel"].get_local_rank() == 0:
+            batch[0][0, 0] = float("nan")  # one bad sample in one data-parallel replica
+
+    def on_exception(self, trainer, pl_module, exception):
+        if self.cfg.get("pid_dir"):
+            Path(self.cfg["pid_dir"], f"exception{trainer.global_rank}").write_text(
+                f"{trainer.global_step} {type(exception).__name__}: {exception}")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._on = False
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if self.cfg.get("tied"):  # this rank's copies of the tied matrix after every step
+            for name, p in pl_module.named_parameters():
+                if name in ("embed.weight", "unembed.weight"):
+                    self.tied_history.setdefault(name, []).append((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone())
+        # gradients of the last step (Lightning's evaluation loop zeroes them before validating)
+        self.grad_dtypes = {n: str(p.grad.dtype) for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+COMM_DTYPES: set[tuple[str, str]] = set()  # (FSDP collective, dtype of the tensor it moves)
+
+
+def _record_fsdp_comm_dtypes() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as fc
+
+    for cls, kind in ((fc.DefaultAllGather, "all_gather"), (fc.DefaultReduceScatter, "reduce_scatter")):
+        def call(self, *args, _inner=cls.__call__, _kind=kind, **kwargs):
+            sent = kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]
+            COMM_DTYPES.add((_kind, str(sent.dtype)))
+            return _inner(self, *args, **kwargs)
+
+        cls.__call__ = call
+
+
+def _dtypes(strategy, grads: dict[str, str]) -> dict:
+    """What moved in which dtype: p2p receive buffers of every runtime (train/eval/predict), FSDP
+    collectives (all steps of this config), and `grads` (the gradients of the last training step)."""
+    p2p = set()
+    for (mode, _), (_, stages) in strategy.runner._runtimes.items():
+        for stage in stages:
+            for kind, infos in (("act", stage.args_recv_info), ("grad", stage.grad_recv_info)):
+                for recv in infos.values():
+                    for r in recv:
+                        if getattr(r, "buffer", None) is not None:
+                            p2p.add((mode, stage.stage_index, kind, str(r.buffer.dtype)))
+    return {"p2p": sorted(p2p), "fsdp": sorted(COMM_DTYPES), "grads": grads}
 
 
 def run(cfg: dict, devices: int, out: Path) -> None:
     torch.manual_seed(0)
-    model = StackNet(opt=cfg.get("opt", "sgd"))
+    model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False))
     strategy = BFPPStrategy(
         pipeline_parallel=cfg.get("pp", 1), loops=cfg.get("loops", 1), micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), groups=cfg.get("groups", 1),
         sharding=cfg.get("sharding", "full"), reshard_after_forward=cfg.get("reshard", False),
-        timeout=timedelta(seconds=120),
+        nonfinite_loss=cfg.get("nonfinite", "stop"), activation_checkpointing=cfg.get("ac", False),
+        timeout=timedelta(seconds=cfg.get("timeout", 120)),
     )
-    record = Record(cfg.get("trace", False), cfg.get("fail_rank"))
+    record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]
     if cfg.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}", every_n_train_steps=cfg["save_every"],
                                          save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
+        precision=cfg.get("precision", "32-true"),
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("clip"), logger=False,
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2, callbacks=callbacks,
@@ -91,6 +152,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     dp = devices // cfg.get("pp", 1)
     per_replica = cfg.get("batch", 16) // dp
     evaluated = {}
+    COMM_DTYPES.clear()
     if cfg.get("eval_ckpt"):  # evaluate a checkpoint file in this layout, no training
         evaluated["val_loss"] = trainer.validate(model, loader(per_replica), ckpt_path=cfg["eval_ckpt"], verbose=False)[0]["val_loss"]
     else:
@@ -106,8 +168,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
-        {"params": params, "local_shapes": local, "losses": record.losses, "stats": strategy.step_stats,
-         "fsdp_trace": record.events, **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
+        {"params": params, "local_shapes": local, "losses": record.losses, "tied_history": record.tied_history, "stats": strategy.step_stats,
+         "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes), **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
                                                        strategy.schedule.fsdp_actions(strategy.device_mesh["pipeline_parallel"].get_local_rank())]},
         out / f"rank{trainer.global_rank}.pt",
     )
@@ -116,6 +178,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
 def main() -> None:
     out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
+    _record_fsdp_comm_dtypes()
     for i, cfg in enumerate(configs):
         run(cfg, devices, out / f"cfg{i}")
 

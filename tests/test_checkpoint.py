@@ -22,22 +22,33 @@ def runs(tmp_path_factory):
     out = {}
     # original layouts, uninterrupted, saving every 3 steps: pp=2 loops=2 at dp=1 (world 2) and dp=2 (world 4)
     w2 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp1-{opt}")) for opt in ("sgd", "adamw")]
-    out["dp1"] = dict(zip(("sgd", "adamw"), run_lightning(root / "w2", 2, w2)))
+    # a tied weight: one copy (pp=1, dp=2) and a copy per end stage (pp=2 loops=2, dp=1), saving at step 3
+    w2 += [_cfg(1, 1, 1, "adamw", tied=True, save_every=3, save_dir=str(root / "tied-one-copy")),
+           _cfg(2, 2, 2, "adamw", tied=True, save_every=3, save_dir=str(root / "tied-dp1"))]
+    r2 = run_lightning(root / "w2", 2, w2)
+    out["dp1"] = dict(zip(("sgd", "adamw"), r2[0:2]))
+    out["tied-dp1"] = r2[3]
     ckpt.export(root / "dp1-sgd" / "step=6.ckpt", root / "exported.ckpt")  # a plain file, evaluated at dp=2 below
     w4 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp2-{opt}")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(2, 2, 2, opt, resume=str(root / f"dp2-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(4, 1, 4, opt, resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(2, 2, 2, opt, sharding="full", resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
     w4 += [{"pp": 2, "loops": 2, "m": 2, "eval_ckpt": str(root / "exported.ckpt")}]
+    w4 += [_cfg(2, 2, 2, "adamw", tied=True),
+           _cfg(2, 2, 2, "adamw", tied=True, resume=str(root / "tied-one-copy" / "step=3.ckpt"))]
     # (w4 must wait for w2's checkpoints, so it is a second launch)
     r4 = run_lightning(root / "w4", 4, w4)
     out["eval-exported"] = r4[8]
+    out["tied-dp2"], out["tied-copies-from-one"] = r4[9], r4[10]
     out["dp2"] = dict(zip(("sgd", "adamw"), r4[0:2]))
     out["dp2-resumed"] = dict(zip(("sgd", "adamw"), r4[2:4]))
     out["pp4-from-dp1"] = dict(zip(("sgd", "adamw"), r4[4:6]))
     out["dp2-from-dp1"] = dict(zip(("sgd", "adamw"), r4[6:8]))
     w1 = [_cfg(1, 1, 1, opt, resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
-    out["pp1-from-dp1"] = dict(zip(("sgd", "adamw"), run_lightning(root / "w1", 1, w1)))
+    w1 += [_cfg(1, 1, 1, "adamw", tied=True, resume=str(root / "tied-dp1" / "step=3.ckpt"))]
+    r1 = run_lightning(root / "w1", 1, w1)
+    out["pp1-from-dp1"] = dict(zip(("sgd", "adamw"), r1[0:2]))
+    out["tied-one-from-copies"] = r1[2]
     out["root"] = root
     return out
 
@@ -66,6 +77,16 @@ def test_exact_resume_same_layout(runs, opt):
 def test_resume_in_another_layout(runs, layout, opt):
     """A pp=2 loops=2 dp=1 checkpoint continues at pp=4 loops=1, in one process, and at dp=2."""
     _compare(runs[layout][opt], runs["dp1"][opt], 1e-5)
+
+
+@pytest.mark.parametrize("resumed, original", [("tied-copies-from-one", "tied-dp2"), ("tied-one-from-copies", "tied-dp1")])
+def test_tied_weight_resumes_across_layouts(runs, resumed, original):
+    """A tied weight saved with one copy (one stage) continues with a copy per stage, and back (AdamW state
+    included: each copy reads the state saved under the tied weight's other name)."""
+    want = runs[original]
+    if resumed == "tied-one-from-copies":  # one copy: the model lists the tied matrix once, as embed.weight
+        want = [{**r, "params": {k: v for k, v in r["params"].items() if k != "unembed.weight"}} for r in want]
+    _compare(runs[resumed], want, 1e-5)
 
 
 def test_export_loads_strict_and_gives_the_same_loss(runs, tmp_path):

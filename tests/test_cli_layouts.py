@@ -40,6 +40,22 @@ def test_same_train_loss_on_one_two_and_four_processes(tmp_path):
         assert abs(val - base[1]) <= 1e-5 * base[1], losses
 
 
+def test_tied_embeddings_across_stages_match_one_process(tmp_path):
+    """model.tie_weights=true: the embedding (first stage) and the output head (last stage, other pipeline rank)
+    share one matrix; pp=2 x loops=2 trains it like the single-process model."""
+    layouts = {
+        "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
+        "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
+    }
+    losses = {}
+    for name, args in layouts.items():
+        run_cli(COMMON + args + ["model.tie_weights=true", f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
+        s = _summary(tmp_path / name)
+        losses[name] = (s["train_loss"], s["val_loss"])
+    (train1, val1), (train2, val2) = losses["cpu1"], losses["cpu2"]
+    assert abs(train2 - train1) <= 1e-5 * train1 and abs(val2 - val1) <= 1e-5 * val1, losses
+
+
 def test_cli_checkpoint_resume_and_export(tmp_path):
     layout = ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=2",
               "trainer.max_steps=4", "trainer.val_check_interval=4"]

@@ -32,6 +32,12 @@ WORLD4 = [
     {"pp": 2, "loops": 2, "m": 2, "eval": True},
     {"pp": 2, "loops": 2, "m": 4, "batch": 32, "sharding": "full", "id": "act-full"},
     {"pp": 2, "loops": 2, "m": 4, "batch": 32, "sharding": "none", "id": "act-none"},
+    # a weight tied across the first and the last stage (on different pipeline ranks, or one rank at pp=1)
+    {"pp": 2, "loops": 2, "m": 2, "tied": True},
+    {"pp": 2, "loops": 2, "m": 2, "tied": True, "clip": 0.05},
+    {"pp": 2, "loops": 2, "m": 2, "tied": True, "opt": "adamw"},
+    {"pp": 2, "loops": 2, "m": 2, "tied": True, "sharding": "none"},
+    {"pp": 1, "loops": 2, "m": 2, "tied": True},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -40,6 +46,7 @@ WORLD2 = [
     {"pp": 1, "loops": 2, "m": 2},
     {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first", "accumulate": 2, "clip": 0.05},
     {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "eval": True},
+    {"pp": 2, "loops": 2, "m": 2, "tied": True},
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -74,7 +81,8 @@ def runs(tmp_path_factory):
 def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None:
     pp = cfg.get("pp", 1)
     dp = devices // pp
-    ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"))
+    ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"),
+                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False))
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}
     for rank, r in enumerate(ranks):
@@ -186,3 +194,17 @@ def test_slurm_launch(tmp_path):
     ranks = run_slurm(tmp_path, 2, [cfg])[0]
     assert {r["cluster_env"] for r in ranks} == {"SLURMEnvironment"}
     _check_against_reference(ranks, cfg, 2)
+
+
+TIED = [(4, c) for c in WORLD4 if c.get("tied")] + [(2, c) for c in WORLD2 if c.get("tied")]
+
+
+@pytest.mark.parametrize("devices,cfg", TIED, ids=lambda v: None)
+def test_tied_copies_stay_bit_identical(runs, devices, cfg):
+    """Each stage using the tied matrix holds a copy; after every step all copies are bit-identical."""
+    ranks = runs(devices)[({4: WORLD4, 2: WORLD2}[devices]).index(cfg)]
+    copies = [steps for r in ranks for steps in r["tied_history"].values()]
+    assert len(copies) == devices * (2 if cfg["pp"] == 1 else 1)  # every rank holds one (pp=1: both)
+    assert all(len(c) == STEPS for c in copies)
+    for step in range(STEPS):
+        assert all(torch.equal(c[step], copies[0][step]) for c in copies), step

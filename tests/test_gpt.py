@@ -65,17 +65,22 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
-def test_tie_weights_refuses_pipelining():
-    model = GPT(GPTConfig(**{**CFG.__dict__, "tie_weights": True}))
-    assert model.head.lm_head.weight is model.embedding.tok.weight
-    for pp, loops in [(2, 1), (1, 2)]:
-        model.trainer = SimpleNamespace(strategy=SimpleNamespace(pipeline_parallel=pp, loops=loops))
-        with pytest.raises(ValueError, match=f"tie_weights=true needs a single pipeline stage .* = {pp * loops}"):
-            model.setup("fit")
-    model.trainer = SimpleNamespace(strategy=SimpleNamespace(pipeline_parallel=1, loops=1))
-    model.setup("fit")
-    model.trainer = SimpleNamespace(strategy=SimpleNamespace())  # plain Lightning
-    model.setup("fit")
+def test_tied_embedding_is_a_weight_shared_by_the_first_and_last_stage():
+    from itertools import chain
+
+    from lightning_bfpp.partition import plan_stages
+    from lightning_bfpp.tied import find_shared_weights
+
+    def shared(model, num_stages):
+        layers = model.pipeline_layers()
+        stages = plan_stages(model, layers, num_stages)
+        return find_shared_weights(dict(zip(chain(*stages), layers)), stages)
+
+    tied = GPT(GPTConfig(**{**CFG.__dict__, "tie_weights": True}))
+    assert tied.head.lm_head.weight is tied.embedding.tok.weight
+    assert shared(tied, 4) == [{0: "embedding.tok.weight", 3: "head.lm_head.weight"}]
+    assert shared(tied, 1) == []  # both uses in one stage: an ordinary shared parameter
+    assert shared(GPT(CFG), 4) == []
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd"])

@@ -13,7 +13,7 @@ import lightning_bfpp
 from exact_model import StackNet
 from launch import ROOT, clean_env
 from lightning_bfpp import BFPPStrategy, ScheduleError
-from lightning_bfpp.partition import RemoteLayer, balanced_layout, split_stages
+from lightning_bfpp.partition import RemoteLayer, balanced_layout, plan_stages, split_stages
 
 
 def test_string_name_registers_the_strategy():
@@ -28,6 +28,9 @@ def test_string_name_registers_the_strategy():
         ({"schedule": "gpipe", "loops": 2}, ScheduleError, "schedule=gpipe is not looped"),
         ({"pipeline_parallel": 4, "loops": 2, "micro_batches": 2}, ScheduleError, "micro_batches"),
         ({"sharding": "zero2"}, ValueError, "sharding='zero2'"),
+        ({"pipeline_parallel": 0}, ScheduleError, "pipeline_parallel=0 must be a positive integer"),
+        ({"pipeline_parallel": 2, "loops": 2, "stage_layers": [1, 2]}, ValueError, r"stage_layers=\[1, 2\] must list 4"),
+        ({"pipeline_parallel": 2, "stage_layers": [3, 0]}, ValueError, r"stage_layers=\[3, 0\] must list 2 positive"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, error, match):
@@ -94,3 +97,42 @@ def test_batch_that_does_not_split_into_micro_batches_fails_before_the_first_ste
 
     with pytest.raises(ValueError, match="batch_size=6 .* not a multiple of micro_batches=4"):
         BFPPStrategy(pipeline_parallel=2, micro_batches=4).process_dataloader(DataLoader(range(12), batch_size=6))
+
+
+def test_plan_stages_checks_the_model_without_changing_it():
+    model = StackNet(n_blocks=2)
+    before = dict(model.named_modules())
+    assert plan_stages(model, model.pipeline_layers(), 2) == [["embed", "blocks.0"], ["blocks.1", "head"]]
+    assert dict(model.named_modules()) == before
+    with pytest.raises(ValueError, match=r"stage_layers=\[2, 3\] .* summing to the 4 layers.*e.g. stage_layers=\[2, 2\]"):
+        plan_stages(model, model.pipeline_layers(), 2, [2, 3])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pipeline_parallel": 2, "loops": 4}, r"8 stages \(pipeline_parallel x loops\) need at least as many layers"),
+        ({"pipeline_parallel": 2, "stage_layers": [1, 1]}, r"stage_layers=\[1, 1\] .* summing to the 4 layers"),
+    ],
+)
+def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwargs, match):
+    """`Trainer(devices=2).fit(model)`: the launcher checks the model in this process, before it starts the
+    second one (in pytest that one would re-run pytest) and before any process group exists."""
+    import time
+
+    import torch.distributed as dist
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    from exact_model import loader
+
+    def no_children(self):
+        raise AssertionError("a child process was started")
+
+    monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", no_children)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=BFPPStrategy(**kwargs), max_steps=1, logger=False,
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(StackNet(n_blocks=2), loader(8))
+    assert time.monotonic() - start < 10
+    assert not dist.is_initialized()

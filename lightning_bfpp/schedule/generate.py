@@ -9,10 +9,12 @@ def check_spec(spec: ScheduleSpec) -> None:
     """Raise ScheduleError naming the setting and the fix when `spec` is not a legal schedule."""
     if spec.name not in SCHEDULES:
         raise ScheduleError(f"schedule={spec.name!r} is unknown; choose one of {', '.join(SCHEDULES)}.")
-    for key in ("pipeline_parallel", "loops", "micro_batches", "groups"):
+    hints = {"pipeline_parallel": "1 = no pipelining", "loops": "1 = one stage per pipeline rank",
+             "micro_batches": "usually a multiple of pipeline_parallel", "groups": "1 = one breadth-first pass"}
+    for key, hint in hints.items():
         value = getattr(spec, key)
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{key}={value!r} must be a positive integer.")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ScheduleError(f"{key}={value!r} must be a positive integer (>= 1; {hint}); set {key}=1 or more.")
     pp, loops, m, groups = spec.pipeline_parallel, spec.loops, spec.micro_batches, spec.groups
     if spec.name not in LOOPED_SCHEDULES and loops != 1:
         raise ScheduleError(
@@ -22,16 +24,20 @@ def check_spec(spec: ScheduleSpec) -> None:
     if groups != 1 and spec.name != "breadth_first":
         raise ScheduleError(f"groups={groups} (accumulation groups) needs schedule=breadth_first; set groups=1.")
     if m % groups:
-        raise ScheduleError(f"micro_batches={m} must be divisible by groups={groups}.")
+        raise ScheduleError(
+            f"micro_batches={m} must be divisible by groups={groups}; e.g. micro_batches={-(-m // groups) * groups}, "
+            f"or groups=1."
+        )
     if spec.name == "breadth_first" and loops > 1 and m // groups < pp:
         raise ScheduleError(
             f"schedule=breadth_first with loops={loops} needs at least pipeline_parallel={pp} micro-batches per "
-            f"group (micro_batches={m}, groups={groups}); raise micro_batches or lower groups."
+            f"group (micro_batches={m}, groups={groups}); raise micro_batches (e.g. micro_batches={pp * groups}) "
+            f"or lower groups, or use loops=1."
         )
     if spec.name == "depth_first" and loops > 1 and m % pp:
         raise ScheduleError(
             f"schedule=depth_first with loops={loops} needs micro_batches ({m}) divisible by "
-            f"pipeline_parallel ({pp}); change micro_batches."
+            f"pipeline_parallel ({pp}); change micro_batches (e.g. micro_batches={-(-m // pp) * pp})."
         )
 
 

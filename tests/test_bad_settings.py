@@ -1,0 +1,123 @@
+"""Bad settings through the real command line: `python examples/train.py <overrides>` exits non-zero within a
+minute with an error naming the setting, before any training process starts (no hang, no half-started job).
+
+The rows run as concurrent subprocesses (one module-scoped fixture), ~4 s of CPU (imports) each. "Within a
+minute" is measured in CPU seconds of the process, so that other jobs on a shared machine cannot fail it; a
+hang (waiting, not computing) is caught by the wall-clock limit, after which the process is killed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launch import ROOT, clean_env
+
+TRAIN = ROOT / "examples" / "train.py"
+QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
+LIMIT_S = 60  # CPU seconds a failing run may take
+HANG_S = 180  # wall-clock seconds after which a run counts as hung (and is killed)
+# What Lightning prints when it sets up the process group, i.e. once processes have started.
+STARTED = ("Initializing distributed", "distributed_backend=")
+
+# (id, overrides, the setting the error must name); default config: cpu_4, breadth_first pp=2 loops=2 m=4,
+# gpt_tiny (4 blocks + embedding + head = 6 layers), global batch 32.
+ROWS = [
+    ("world_not_divisible_by_pp", ["schedule.pipeline_parallel=3"], "schedule.pipeline_parallel"),
+    ("breadth_first_too_few_micro_batches", ["schedule.micro_batches=1"], "micro_batches"),
+    ("more_stages_than_layers", ["schedule.loops=4"], "schedule.loops"),
+    ("batch_not_divisible", ["data.batch_size=30"], "data.batch_size"),
+    ("loops_on_unlooped_schedule", ["schedule=gpipe", "schedule.loops=2"], "loops=2"),
+    ("unknown_schedule", ["schedule.name=zigzag"], "schedule='zigzag'"),
+    ("unknown_sharding", ["schedule.sharding=zero2"], "sharding='zero2'"),
+    ("zero_pipeline_parallel", ["schedule.pipeline_parallel=0"], "pipeline_parallel=0"),
+    ("zero_micro_batches", ["schedule.micro_batches=0"], "micro_batches=0"),
+    ("stage_layers_wrong_count", ["schedule.stage_layers=[3,3]"], "stage_layers=[3, 3]"),
+    # right count, wrong sum: only the model knows its layers, checked by the launcher in the parent
+    ("stage_layers_wrong_sum", ["schedule.stage_layers=[1,1,1,1]"], "stage_layers=[1, 1, 1, 1]"),
+    ("groups_not_dividing_micro_batches", ["schedule.groups=3"], "groups=3"),
+    ("zero_devices", ["cluster.devices=0"], "cluster.devices"),
+    ("heads_not_dividing_width", ["model.n_head=3"], "model.n_head"),
+    ("zero_max_steps", ["trainer.max_steps=0"], "trainer.max_steps"),
+]
+
+
+@dataclass
+class Result:
+    returncode: int | None  # None: killed as hung
+    wall_s: float
+    cpu_s: float  # user + system time of the process
+    output: str
+    run_dir: Path
+
+
+def _run(overrides: list[str], run_dir: Path, launcher: list[str] | None = None) -> Result:
+    cmd = [*(launcher or [sys.executable]), str(TRAIN), *overrides, *QUIET, f"hydra.run.dir={run_dir}"]
+    log = run_dir.parent / f"{run_dir.name}.out"
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=run_dir.parent, env=clean_env(), stdout=out, stderr=subprocess.STDOUT)
+    code = None
+    while True:  # reap it ourselves: os.wait4 also returns its CPU time
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            code = proc.returncode = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() - start > HANG_S:
+            proc.kill()
+            _, _, usage = os.wait4(proc.pid, 0)
+            proc.returncode = -9
+            break
+        time.sleep(0.1)
+    output = log.read_text() + ("" if code is not None else f"\n<killed: still running after {HANG_S} s>")
+    return Result(code, time.monotonic() - start, usage.ru_utime + usage.ru_stime, output, run_dir)
+
+
+# Under torchrun every rank starts at once (no launcher to check first): the model check runs in each rank's
+# setup, and every rank fails with the same error instead of waiting for the others.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+TORCHRUN_ROW = ("torchrun_stage_layers_wrong_sum", ["cluster=cpu_2", "schedule.stage_layers=[1,1,1,1]"],
+                "stage_layers=[1, 1, 1, 1]")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, Result]:
+    root = tmp_path_factory.mktemp("bad_settings")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, overrides, root / name) for name, overrides, _ in ROWS}
+        futures[TORCHRUN_ROW[0]] = pool.submit(_run, TORCHRUN_ROW[1], root / TORCHRUN_ROW[0], TORCHRUN)
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_the_table_covers_enough_settings():
+    assert len(ROWS) >= 10 and len({name for name, _, _ in ROWS}) == len(ROWS)
+
+
+@pytest.mark.parametrize("name, overrides, setting", ROWS, ids=[row[0] for row in ROWS])
+def test_bad_setting_fails_fast_naming_the_setting(results, name, overrides, setting):
+    r = results[name]
+    tail = "\n".join(r.output.splitlines()[-15:])
+    where = (f"{' '.join(overrides)}: exit {r.returncode} after {r.wall_s:.1f} s ({r.cpu_s:.1f} s CPU); "
+             f"output tail:\n{tail}")
+    assert r.returncode not in (0, None), where
+    assert r.cpu_s < LIMIT_S, where
+    assert setting in r.output, f"the error does not name {setting!r}; {where}"
+    started = [marker for marker in STARTED if marker in r.output]
+    assert not started and not list(r.run_dir.glob("*_ddp_process_*.log")), f"processes were started; {where}"
+
+
+def test_bad_setting_under_torchrun_fails_on_every_rank(results):
+    name, overrides, setting = TORCHRUN_ROW
+    r = results[name]
+    where = (f"torchrun {' '.join(overrides)}: exit {r.returncode} after {r.wall_s:.1f} s ({r.cpu_s:.1f} s CPU, "
+             f"all ranks); output tail:\n" + "\n".join(r.output.splitlines()[-25:]))
+    assert r.returncode not in (0, None), where
+    assert r.cpu_s < LIMIT_S, where
+    raised = [line for line in r.output.splitlines() if line.startswith(f"ValueError: {setting}")]
+    assert raised and "timed out" not in r.output.lower(), where  # the check itself, not a peer's timeout

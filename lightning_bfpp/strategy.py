@@ -3,8 +3,6 @@
 # (launchers, sampler, checkpoint I/O, loops) is Lightning's ModelParallelStrategy.
 from __future__ import annotations
 
-import signal
-import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -26,11 +24,12 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .hooks import check_hooks
+from .launcher import CheckingLauncher
 from .parallel import (DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
                        stage_mixed_precision)
 from .partition import check_layout, plan_stages, split_stages
 from .resume import skip_consumed_batches
-from .runtime.instrument import local_bytes, optimizer_bytes
+from .runtime.instrument import MEMORY_KEYS, gather_stats, local_bytes, optimizer_bytes
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, build_schedule
 from .tied import TiedWeights, find_shared_weights
@@ -170,7 +169,8 @@ class BFPPStrategy(ModelParallelStrategy):
             )
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:  # check the model before starting the children
-            self._launcher = _CheckingLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CheckingLauncher(self._check_before_launch, self.cluster_environment,
+                                              self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -183,14 +183,15 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
+    def _check_before_launch(self) -> None:
+        if self.lightning_module is not None and self.runner is None:  # once built, the model is already cut
+            self.check_model(self.lightning_module)
+
     def _kill_children(self, wait: float = 0.0) -> None:
         """When this rank is Lightning's launching process, its child ranks go down with it (after `wait`
         seconds in which they may stop by themselves and say why)."""
-        if isinstance(self.launcher, _SubprocessScriptLauncher):
-            deadline = time.monotonic() + wait
-            while any(p.poll() is None for p in self.launcher.procs) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            self.launcher.kill(signal.SIGKILL)
+        if isinstance(self.launcher, CheckingLauncher):
+            self.launcher.stop_children(wait)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -269,21 +270,10 @@ class BFPPStrategy(ModelParallelStrategy):
         )
 
     def _install_precision(self) -> None:
-        """Precision per Lightning's `precision` flag (its plugin is kept; only its forward context changes):
-
-        - "32-true": fp32 everywhere.
-        - "bf16-mixed", stages FSDP-sharded (sharding="full", dp > 1): FSDP2 MixedPrecisionPolicy on every
-          stage (``parallel.stage_mixed_precision``): fp32 sharded parameters (master weights), bf16 compute,
-          all-gathers and p2p activations/gradients, fp32 gradient reduction, fp32 last-stage output and
-          loss. The plugin's autocast is switched off: casting twice would only add copies.
-        - "bf16-mixed", unsharded stages (dp = 1 or sharding="none"): the plugin's ``torch.autocast(bf16)``
-          around the pipeline, as Lightning does; parameters and gradients (and their all-reduce) stay fp32;
-          p2p tensors have the dtype the stage's last op gives under autocast (bf16 after a Linear, fp32 for
-          a residual stream kept in fp32).
-        - "bf16-true": the plugin casts the model to bf16 before sharding (parameters, gradients, optimizer
-          state, p2p and gradient reduction all bf16; float batches cast to bf16 by Lightning's loops).
-        - "16-mixed" needs loss scaling: rejected in ``check_model``.
-        """
+        """Lightning's precision plugin is kept. Under "bf16-mixed" with FSDP-sharded stages the stages' FSDP2
+        MixedPrecisionPolicy (``parallel.stage_mixed_precision``) already computes in bf16, so the plugin's
+        autocast is switched off; elsewhere autocast ("bf16-mixed") or the bf16 module ("bf16-true") is the
+        plugin's own. README "Precision and memory" has the full table."""
         if self._fsdp_mixed_precision:
             self.precision_plugin.forward_context = nullcontext
 
@@ -446,29 +436,5 @@ class BFPPStrategy(ModelParallelStrategy):
             "optimizer_bytes": optimizer_bytes(self.optimizers),
             "activation_peak_bytes": self.runner.meter.peak,
         }
-        mine = torch.tensor(list(local.values()), dtype=torch.float64, device=self.root_device)
-        every = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine)
-        table = torch.stack(every).cpu()
-        self.step_stats = dict(zip(local, table.max(dim=0).values.tolist()))
-        memory_keys = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
-        columns = [list(local).index(k) for k in memory_keys]
-        self.step_stats["memory"] = {
-            rank: {k: int(row[c]) for k, c in zip(memory_keys, columns)} for rank, row in enumerate(table.tolist())
-        }
+        self.step_stats = gather_stats(local, MEMORY_KEYS, self.root_device)
 
-
-class _CheckingLauncher(_SubprocessScriptLauncher):
-    """Lightning's popen launcher, checking the model against the strategy's settings first: a model that
-    cannot be cut into the requested stages fails once, in this process, before any other process starts."""
-
-    def __init__(self, strategy: BFPPStrategy, *args: Any) -> None:
-        super().__init__(*args)
-        self._strategy = strategy
-
-    @override
-    def launch(self, function, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        module = self._strategy.lightning_module
-        if module is not None and self._strategy.runner is None:  # once built, the model is already cut
-            self._strategy.check_model(module)
-        return super().launch(function, *args, trainer=trainer, **kwargs)

@@ -35,8 +35,8 @@ def _is_communication_error(error: BaseException) -> bool:
 class Watchdog:
     """Watches the other ranks of this job through the process group's key-value store.
 
-    - A rank whose run raises posts ``rank R: <error>`` (first poster wins); every other rank prints it
-      and exits within ``interval + grace`` seconds, even if blocked in a collective.
+    - A rank whose run raises posts ``rank R failed: <error>`` (the first post wins); every other rank prints
+      it and exits within ``interval + grace`` seconds, even if blocked in a collective.
     - A peer process on this host that is gone without having finished is reported as killed/crashed.
     - A lost store (it lives in rank 0 or the launcher) ends this rank after ``grace`` seconds unless
       the run finishes meanwhile (rank 0 may simply have finished first).
@@ -89,14 +89,14 @@ class Watchdog:
     def report(self, error: BaseException) -> str:
         """Say (and post, unless a peer failed first) why the job stops; returns that message. A communication
         error is usually a peer's failure seen from here: look for that peer for up to `grace` seconds."""
-        first_line = " ".join([str(error).splitlines()[0] if str(error) else "", *getattr(error, "__notes__", [])])
+        summary = " ".join([str(error).splitlines()[0] if str(error) else "", *getattr(error, "__notes__", [])])
         deadline = time.monotonic() + (self.grace if _is_communication_error(error) else 0.0)
         while True:
             culprit = self._dead_peer(self._store, store_errors=False) or self._posted()
             if culprit or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-        culprit = culprit or f"rank {self.rank} failed: {type(error).__name__}: {first_line}{self._laggards()}"
+        culprit = culprit or f"rank {self.rank} failed: {type(error).__name__}: {summary}{self._laggards()}"
         try:
             culprit = self._post(self._store, culprit)
         except Exception:  # the store's host is gone: say what this rank knows
@@ -110,7 +110,7 @@ class Watchdog:
         self._store.set(self._key("step", self.rank), str(step))
 
     def _laggards(self) -> str:
-        """'; rank 3 is behind (...)' when some ranks have not reached the step the others are in."""
+        """'; rank 3 did not reach step N ...' when some ranks are behind the step the others are in."""
         try:
             keys = [self._key("step", r) for r in range(self.world_size)]
             if not self._store.check(keys):

@@ -1,9 +1,8 @@
 """Bad settings through the real command line: `python examples/train.py <overrides>` exits non-zero within a
 minute with an error naming the setting, before any training process starts (no hang, no half-started job).
 
-The rows run as concurrent subprocesses (one module-scoped fixture), ~4 s of CPU (imports) each. "Within a
-minute" is measured in CPU seconds of the process, so that other jobs on a shared machine cannot fail it; a
-hang (waiting, not computing) is caught by the wall-clock limit, after which the process is killed."""
+The rows run as concurrent subprocesses (one module-scoped fixture, 4 at a time), ~4 s of CPU (imports) and
+~10-20 s of wall-clock time each on 2 cores. A run still going after HANG_S is killed and counts as hung."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from launch import ROOT, clean_env
 
 TRAIN = ROOT / "examples" / "train.py"
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
-LIMIT_S = 60  # CPU seconds a failing run may take
-HANG_S = 180  # wall-clock seconds after which a run counts as hung (and is killed)
+LIMIT_S = 60  # wall-clock seconds a failing run may take (the promise)
+HANG_S = 120  # wall-clock seconds after which a run counts as hung (and is killed)
 # What Lightning prints when it sets up the process group, i.e. once processes have started.
 STARTED = ("Initializing distributed", "distributed_backend=")
 
@@ -106,7 +105,7 @@ def test_bad_setting_fails_fast_naming_the_setting(results, name, overrides, set
     where = (f"{' '.join(overrides)}: exit {r.returncode} after {r.wall_s:.1f} s ({r.cpu_s:.1f} s CPU); "
              f"output tail:\n{tail}")
     assert r.returncode not in (0, None), where
-    assert r.cpu_s < LIMIT_S, where
+    assert r.wall_s < LIMIT_S, where
     assert setting in r.output, f"the error does not name {setting!r}; {where}"
     started = [marker for marker in STARTED if marker in r.output]
     assert not started and not list(r.run_dir.glob("*_ddp_process_*.log")), f"processes were started; {where}"
@@ -118,6 +117,6 @@ def test_bad_setting_under_torchrun_fails_on_every_rank(results):
     where = (f"torchrun {' '.join(overrides)}: exit {r.returncode} after {r.wall_s:.1f} s ({r.cpu_s:.1f} s CPU, "
              f"all ranks); output tail:\n" + "\n".join(r.output.splitlines()[-25:]))
     assert r.returncode not in (0, None), where
-    assert r.cpu_s < LIMIT_S, where
+    assert r.wall_s < LIMIT_S, where
     raised = [line for line in r.output.splitlines() if line.startswith(f"ValueError: {setting}")]
     assert raised and "timed out" not in r.output.lower(), where  # the check itself, not a peer's timeout

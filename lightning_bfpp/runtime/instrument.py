@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -117,3 +118,19 @@ def optimizer_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
         for opt in optimizers
         for state in opt.state.values()
     )
+
+
+MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+
+
+def gather_stats(local: dict[str, float], per_rank_keys: tuple[str, ...], device: torch.device) -> dict:
+    """Every rank's numbers (all-gathered): the max over ranks of each, plus {"memory": {rank: {key: value}}}
+    for `per_rank_keys`. Identical on every rank."""
+    mine = torch.tensor(list(local.values()), dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    table = torch.stack(every).cpu()
+    stats: dict = dict(zip(local, table.max(dim=0).values.tolist()))
+    columns = [list(local).index(k) for k in per_rank_keys]
+    stats["memory"] = {rank: {k: int(row[c]) for k, c in zip(per_rank_keys, columns)} for rank, row in enumerate(table.tolist())}
+    return stats

@@ -1,0 +1,32 @@
+# Scope: Lightning's popen launcher as bfpp uses it: the model is checked before any other process starts,
+# and the launching process can stop its children (after giving them time to stop by themselves).
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from typing_extensions import override
+
+
+class CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher (this process is rank 0 and starts ranks 1..), running `check` first: a model that
+    cannot be cut into the requested stages fails once, here, before any other process or process group exists."""
+
+    def __init__(self, check: Callable[[], None], *args: Any) -> None:
+        super().__init__(*args)
+        self._check = check
+
+    @override
+    def launch(self, function, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        self._check()
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def stop_children(self, wait: float = 0.0) -> None:
+        """SIGKILL the child ranks still running after `wait` seconds (none are left behind)."""
+        deadline = time.monotonic() + wait
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill(signal.SIGKILL)

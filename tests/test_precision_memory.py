@@ -33,6 +33,7 @@ CONFIGS = {
     "ac-reshard": {**BASE, "ac": True, "reshard": True},
     "ac-bf16-mixed": {**BASE, "ac": True, "precision": "bf16-mixed"},
     "ac-bf16-mixed-autocast": {**BASE, "ac": True, "precision": "bf16-mixed", "sharding": "none"},
+    "tied-bf16-mixed": {**BASE, "precision": "bf16-mixed", "tied": True, "ac": True},
 }
 NAMES = list(CONFIGS)
 
@@ -216,3 +217,12 @@ def test_app_applies_activation_checkpointing_once():
         in_strategy = getattr(built, "activation_checkpointing", False)
         in_model = train.model_config(cfg).activation_checkpointing
         assert (in_strategy, in_model) == ((True, False) if strategy == "bfpp" else (False, True))
+
+
+def test_tied_copies_stay_identical_under_bf16_mixed_and_checkpointing(runs):
+    """The tied matrix's copies (first stage, last stage) get fp32 gradients summed in fp32: bit-identical."""
+    ranks = runs["tied-bf16-mixed"]
+    copies = [steps for r in ranks for steps in r["tied_history"].values()]
+    assert len(copies) == DEVICES and all(len(c) == STEPS for c in copies)
+    assert all(torch.equal(c[step], copies[0][step]) for c in copies for step in range(STEPS))
+    assert copies[0][0].dtype == torch.float32

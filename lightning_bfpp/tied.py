@@ -120,5 +120,6 @@ def _like_param(param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
     if hasattr(param, "to_local"):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False)
+        return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
     return local.clone()

@@ -119,18 +119,22 @@ def figure(results: dict, betas, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
-    rows = ["| inter-node GB/s | batch/GPU | BF | DF | 1F1B | Megatron-like | BF/DF | BF/1F1B | BF/Megatron |",
+def _sweep_table(model: Model, knob: str, clusters: list[tuple[float, Cluster]], betas) -> str:
+    """One row per (knob value, batch per GPU): the best plan of each method and BF's speed-up over each."""
+    rows = [f"| {knob} | batch/GPU | BF | DF | 1F1B | Megatron-like | BF/DF | BF/1F1B | BF/Megatron |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for bw in bandwidths:
-        cl = replace(cluster, inter_bw=bw * 1e9)
+    for value, cl in clusters:
         for beta in betas:
             r = {m: best(model, cl, beta, m) for m in ("breadth_first", "depth_first", "1f1b", "megatron_like")}
             bf = r["breadth_first"]
-            rows.append(f"| {bw:g} | {beta:g} | {_fmt(bf)} | {_fmt(r['depth_first'])} | {_fmt(r['1f1b'])} | "
+            rows.append(f"| {value:g} | {beta:g} | {_fmt(bf)} | {_fmt(r['depth_first'])} | {_fmt(r['1f1b'])} | "
                         f"{_fmt(r['megatron_like'])} | {_ratio(bf, r['depth_first'])} | {_ratio(bf, r['1f1b'])} | "
                         f"{_ratio(bf, r['megatron_like'])} |")
     return "\n".join(rows)
+
+
+def sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
+    return _sweep_table(model, "inter-node GB/s", [(bw, replace(cluster, inter_bw=bw * 1e9)) for bw in bandwidths], betas)
 
 
 def gantt(model: Model, cluster: Cluster, plan, path: Path) -> None:
@@ -186,17 +190,8 @@ def main() -> None:
 
 
 def sensitivity_flops(model: Model, cluster: Cluster, peak: float, efficiencies, betas) -> str:
-    rows = ["| achieved fraction of 312 TFLOP/s | batch/GPU | BF | DF | 1F1B | Megatron-like | BF/DF | BF/1F1B | BF/Megatron |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for eff in efficiencies:
-        cl = replace(cluster, flops=peak * eff)
-        for beta in betas:
-            r = {m: best(model, cl, beta, m) for m in ("breadth_first", "depth_first", "1f1b", "megatron_like")}
-            bf = r["breadth_first"]
-            rows.append(f"| {eff:g} | {beta:g} | {_fmt(bf)} | {_fmt(r['depth_first'])} | {_fmt(r['1f1b'])} | "
-                        f"{_fmt(r['megatron_like'])} | {_ratio(bf, r['depth_first'])} | {_ratio(bf, r['1f1b'])} | "
-                        f"{_ratio(bf, r['megatron_like'])} |")
-    return "\n".join(rows)
+    clusters = [(eff, replace(cluster, flops=peak * eff)) for eff in efficiencies]
+    return _sweep_table(model, "achieved fraction of 312 TFLOP/s", clusters, betas)
 
 
 if __name__ == "__main__":

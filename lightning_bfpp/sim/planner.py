@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import Any
 
 from lightning_bfpp.schedule import (
     SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
@@ -176,28 +177,20 @@ def search(
     options: SimOptions = SimOptions(),
     top: int = 10,
     include_unfit: bool = False,
-    schedules: Sequence[str] = SCHEDULES,
-    loops: Sequence[int] = DEFAULT_LOOPS,
-    shardings: Sequence[str] = ("full", "none"),
-    max_micro_batches: int = 64,
-    max_groups: int = 8,
-    min_pipeline_parallel: int = 1,
-    max_pipeline_parallel: int | None = None,
+    **space: Any,
 ) -> list[Plan]:
     """Simulate the candidates; return plans sorted best first (fitting ones only unless include_unfit).
 
     NOTE: more accumulation groups and resharding after forward only trade speed for memory (more
     all-gathers, more bubble), so within a family (a candidate up to those two knobs) the search stops at
     the first one that fits, trying groups=1 / no resharding first. The top `top` plans are validated and
-    re-simulated with the comm-free pass (bubble, exposed comm). The search-space knobs are those of
-    `candidates`; `options` says how the runtime waits (e.g. `SimOptions(blocking_reduce=True)` on CPU).
+    re-simulated with the comm-free pass (bubble, exposed comm). `space`: the search-space keywords of
+    `candidates` (schedules, loops, shardings, max_micro_batches, ...); `options` says how the runtime waits
+    (e.g. `SimOptions(blocking_reduce=True)` on CPU).
     """
     plans: list[Plan] = []
     settled: set[tuple] = set()  # families (all but groups / reshard policy) that already have a fitting plan
-    space = candidates(model, cluster, batch_size, schedules=schedules, loops=loops, shardings=shardings,
-                       max_micro_batches=max_micro_batches, max_groups=max_groups,
-                       min_pipeline_parallel=min_pipeline_parallel, max_pipeline_parallel=max_pipeline_parallel)
-    for c in space:
+    for c in candidates(model, cluster, batch_size, **space):
         family = _family(c)
         if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
             continue

@@ -36,7 +36,7 @@ from gpt import GPT, GPTConfig, OptimConfig, lr_factor  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402
 from lightning_bfpp.data import ByteWindows, load_corpus, split_corpus  # noqa: E402
-from lightning_bfpp.runtime.instrument import local_bytes, optimizer_bytes  # noqa: E402
+from lightning_bfpp.runtime.instrument import SavedActivationMeter, local_bytes, optimizer_bytes  # noqa: E402
 
 _CORPUS: dict[int, ByteWindows] = {}
 
@@ -60,34 +60,6 @@ def memory_of(params, optimizers) -> dict:
             "optimizer_bytes": optimizer_bytes(optimizers)}
 
 
-class ActivationCount:
-    """Peak bytes saved for backward during one forward, counted once per storage. Parameters are
-    excluded by their storage *as registered when the tensor is saved*: FSDP2 swaps gathered weights in
-    and out of the modules, and autograd saves views of them (weight.t()). The input batch is excluded."""
-
-    def __init__(self, module: torch.nn.Module, batch) -> None:
-        self.module, self.live, self.current, self.peak = module, {}, 0, 0
-        self.batch_ptrs = {t.untyped_storage().data_ptr() for t in batch if isinstance(t, torch.Tensor)}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-                  for p in self.module.parameters()}
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in self.batch_ptrs and ptr not in self.live and t.device.type != "meta":
-            self.live[ptr] = t.untyped_storage().nbytes()
-            self.current += self.live[ptr]
-            self.peak = max(self.peak, self.current)
-        return t
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-
 class Probe(Callback):
     """Per-step wall times; bfpp's step_stats; memory of the local shards. For the non-bfpp baselines
     the saved activations of the LAST step are counted (untimed), the way bfpp's own meter counts them."""
@@ -98,18 +70,21 @@ class Probe(Callback):
         self.stats: list[dict] = []
         self.memory: dict = {}
         self.count_activations = count_activations
-        self._count: ActivationCount | None = None
+        self._meter: SavedActivationMeter | None = None
+        self._tracking = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.starts.append(time.perf_counter())
         if self.count_activations and trainer.global_step == trainer.max_steps - 1:
-            self._count = ActivationCount(pl_module, batch).__enter__()
+            self._meter = SavedActivationMeter([pl_module])  # the meter bfpp's own runtime uses
+            self._tracking = self._meter.track(exclude=[t for t in batch if isinstance(t, torch.Tensor)])
+            self._tracking.__enter__()
 
     def on_before_backward(self, trainer, pl_module, loss):
-        if self._count is not None:  # the forward is over: the peak of saved tensors is reached
-            self._count.__exit__(None, None, None)
-            self.memory["activation_peak_bytes"] = self._count.peak
-            self._count = None
+        if self._tracking is not None:  # the forward is over: the peak of saved tensors is reached
+            self._tracking.__exit__(None, None, None)
+            self.memory["activation_peak_bytes"] = self._meter.peak
+            self._meter = self._tracking = None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.memory.update(memory_of((p for p in pl_module.parameters() if p.requires_grad), []))

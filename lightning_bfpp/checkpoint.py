@@ -97,7 +97,7 @@ def load(
             back = {v: k for k, v in renamed.items()}
             loaded = {back.get(k, k): v for k, v in request[f"optimizer_{i}"].items()}
             set_optimizer_state_dict(module, opt, loaded, options=OPTIM_OPTIONS)
-        _restore_rng(path)
+        _restore_rng(path, saved)
         return torch.load(path / META_FILE, weights_only=False)
     if path.is_file():
         return _load_full_file(path, module, strict)
@@ -122,9 +122,8 @@ def _saved_names(wanted: dict[str, Any], prefix: str, saved: set[str], aliases: 
     return renamed
 
 
-def _restore_rng(path: Path) -> None:
-    reader = dcp.FileSystemReader(path)
-    keys = set(reader.read_metadata().state_dict_metadata)
+def _restore_rng(path: Path, keys: set[str]) -> None:
+    """`keys`: the checkpoint's saved keys (its metadata, read once by `load`)."""
     # Every rank takes part in the (collective) load, also ranks the saving layout did not have.
     box = {"rng": {k: v for k, v in rng_state().items() if f"rng.{k}" in keys}}
     dcp.load(box, checkpoint_id=path)

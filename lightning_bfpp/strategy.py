@@ -183,7 +183,7 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
-    def _check_before_launch(self) -> None:
+    def _check_before_launch(self, ckpt_path: str | None = None) -> None:
         if self.lightning_module is not None and self.runner is None:  # once built, the model is already cut
             self.check_model(self.lightning_module)
 

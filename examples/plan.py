@@ -3,7 +3,8 @@
     python examples/plan.py model=gpt_52b cluster=slurm_gpu_64 data.batch_size=256
 
 Prints the ranked layouts that fit in device memory, the Hydra overrides of the best one for
-examples/train.py, and writes plan.json.
+examples/train.py, and writes plan.json into its run directory, outputs/plan/<date>/<time>-<tag>/
+(`hydra.run.dir=<dir>` to choose it; `plan.out=null` writes nothing).
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import run_dir  # noqa: E402  (the run directory's name)
+
+run_dir.register_resolvers()
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
@@ -42,11 +50,13 @@ def main(cfg: DictConfig) -> None:
                                          batch_size=int(cfg.data.batch_size))
     print("\nbest layout for examples/train.py:\n  " + " ".join(overrides))
     if p.out:
-        with open(p.out, "w") as f:
+        out = Path(HydraConfig.get().runtime.output_dir) / p.out  # an absolute plan.out stays as it is
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w") as f:
             json.dump({"model": cfg.model.name, "cluster": cfg.cluster.name, "batch_size": int(cfg.data.batch_size),
                        "config": OmegaConf.to_container(cfg.plan), "best_overrides": overrides,
                        "plans": [pl.as_dict() for pl in plans]}, f, indent=1)
-        print(f"wrote {p.out}")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def test_plan_cli_writes_json(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "best layout for examples/train.py:" in proc.stdout and "cluster=cpu_2 data.batch_size=8" in proc.stdout
-    data = json.loads((tmp_path / "plan.json").read_text())
+    (out,) = tmp_path.glob("outputs/plan/*/*/plan.json")  # its own run directory, nothing else in the cwd
+    data = json.loads(out.read_text())
     assert data["plans"] and data["best_overrides"][0].startswith("schedule=")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"] and f"{out.relative_to(tmp_path)}" in proc.stdout

@@ -126,5 +126,5 @@ def test_interrupted_save_is_never_a_checkpoint(tmp_path, monkeypatch):
         ckpt.save(target, {"state_dict": {"w": torch.zeros(2)}}, {"global_step": 3})
     assert not target.exists() and not ckpt.is_sharded(target)
     assert [p.name.startswith(".step=3.ckpt.tmp-") for p in tmp_path.iterdir()] == [True]
-    with pytest.raises(FileNotFoundError, match="neither a bfpp checkpoint folder"):
+    with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.load(target, StackNet(), [])

@@ -1,0 +1,186 @@
+# Scope: is this folder a complete, intact bfpp checkpoint? A manifest (manifest.json: every file's size and
+# sha256) is written at save and verified at load, the hashing split over the ranks; cheap structural checks
+# (files present, shards as long as the metadata says) run before any process starts; errors name the file
+# and the newest complete checkpoint next to it; hidden .tmp-* folders of interrupted saves are cleaned up.
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .safety import DCP_METADATA, CheckpointError, load_file, read_dcp_metadata
+
+META_FILE = "meta.pt"  # Lightning's metadata file name: loops, schedulers, callbacks, epoch, step
+MANIFEST = "manifest.json"
+FORMAT = "lightning-bfpp checkpoint"
+STALE_TMP_S = 300.0  # a hidden .tmp-* folder untouched this long is an interrupted save (not one under way)
+_CHUNK = 1 << 22
+
+
+def sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _mine(names: list[str], rank: int, world: int) -> list[str]:
+    """This rank's share of the files to hash: the shards DCP wrote as rank r (`__r_*.distcp`) to rank r (likely
+    still in its page cache after a save), the rest round-robin."""
+    out = []
+    for i, name in enumerate(names):
+        m = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+        if (int(m[1]) if m else i) % world == rank:
+            out.append(name)
+    return out
+
+
+def hash_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes", "sha256"}} for every file in `names`, each rank hashing its share (collective)."""
+    rank, world = _rank_world()
+    local = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in _mine(names, rank, world)}
+    if world == 1:
+        return local
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def write_manifest(folder: Path, files: dict[str, dict[str, Any]], global_step: int | None) -> None:
+    manifest = {"format": FORMAT, "version": 1, "global_step": global_step, "files": dict(sorted(files.items()))}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    file = folder / MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+        assert manifest["format"] == FORMAT and isinstance(manifest["files"], dict)
+        return manifest
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{file}: not a bfpp checkpoint manifest ({type(e).__name__}: {e}); it is damaged "
+                              f"or was not written by lightning-bfpp.{newest_note(folder)}") from None
+
+
+def verify_checksums(folder: Path, manifest: dict[str, Any] | None) -> None:
+    """Every rank raises the same error when any listed file's sha256 differs (collective when distributed)."""
+    if manifest is None:
+        return
+    names = sorted(manifest["files"])
+    got = hash_files(folder, names)
+    bad = [n for n in names if got[n]["sha256"] != manifest["files"][n]["sha256"]]
+    if bad:
+        raise CheckpointError(
+            f"{folder / bad[0]}: checksum mismatch (sha256 differs from {MANIFEST}"
+            + (f"; also {', '.join(bad[1:4])}" if len(bad) > 1 else "")
+            + f"): the file was corrupted or modified after the save.{newest_note(folder)}"
+        )
+
+
+def _quick_complete(folder: Path) -> tuple[int, float] | None:
+    """(global_step, mtime) when `folder` looks like a complete bfpp checkpoint (names and sizes; no hashing)."""
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError:
+        return None
+    if manifest is None:
+        ok = (folder / META_FILE).is_file() and (folder / DCP_METADATA).is_file()
+        return (-1, folder.stat().st_mtime) if ok else None
+    for name, info in manifest["files"].items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != info.get("bytes"):
+            return None
+    step = manifest.get("global_step")
+    return (step if isinstance(step, int) else -1, folder.stat().st_mtime)
+
+
+def newest_complete(parent: Path, exclude: Path | None = None) -> Path | None:
+    if not parent.is_dir():
+        return None
+    found = []
+    for d in parent.iterdir():
+        if d.is_dir() and not d.name.startswith(".") and d != exclude and (key := _quick_complete(d)) is not None:
+            found.append((key, d))
+    return max(found)[1] if found else None
+
+
+def newest_note(folder: Path, parent: Path | None = None) -> str:
+    """' The newest complete checkpoint in <parent>: <path>.' (or that there is none)."""
+    parent = parent or folder.parent
+    best = newest_complete(parent, exclude=folder)
+    if best is None:
+        return f" No complete checkpoint in {parent}."
+    return f" The newest complete checkpoint in {parent}: {best} (resume with ckpt_path={best})."
+
+
+def check_folder(folder: Path, trust: bool = False) -> tuple[Metadata, dict[str, Any], dict[str, Any] | None]:
+    """Structural checks of a checkpoint folder (no hashing): the files exist, have the sizes the manifest
+    records, the shards are as long as the metadata says; `.metadata` and `meta.pt` are read safely.
+    Returns (DCP metadata, Lightning meta, manifest or None)."""
+    for name in (DCP_METADATA, META_FILE):
+        if not (folder / name).is_file():
+            if not (folder / DCP_METADATA).is_file() and not (folder / META_FILE).is_file():
+                inside = newest_complete(folder)
+                if inside is not None:
+                    raise CheckpointError(f"ckpt_path={str(folder)!r} is a folder of checkpoints, not one: pass one "
+                                          f"of them, e.g. the newest complete, ckpt_path={inside}.")
+                raise CheckpointError(f"ckpt_path={str(folder)!r} is not a bfpp checkpoint folder (no {DCP_METADATA}, "
+                                      f"no {META_FILE}).{newest_note(folder)}")
+            raise CheckpointError(f"{folder / name} is missing: {folder} is not a complete checkpoint.{newest_note(folder)}")
+    manifest = read_manifest(folder)
+    for name, info in (manifest or {"files": {}})["files"].items():
+        f = folder / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (listed in {MANIFEST}): the checkpoint is incomplete.{newest_note(folder)}")
+        if f.stat().st_size != info.get("bytes"):
+            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {MANIFEST} says {info.get('bytes')}: the file is "
+                                  f"truncated or damaged.{newest_note(folder)}")
+    metadata = read_dcp_metadata(folder, trust)
+    extent: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if isinstance(path, str):
+            extent[path] = max(extent.get(path, 0), int(info.offset) + int(info.length))
+    for path, end in sorted(extent.items()):
+        f = folder / path
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (the checkpoint's {DCP_METADATA} lists it): the checkpoint is "
+                                  f"incomplete.{newest_note(folder)}")
+        if f.stat().st_size < end:
+            raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {DCP_METADATA} needs {end}: the shard is "
+                                  f"truncated.{newest_note(folder)}")
+    meta = load_file(folder / META_FILE, trust, map_location="cpu")
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{folder / META_FILE} holds a {type(meta).__name__}, not Lightning's checkpoint metadata.")
+    return metadata, meta, manifest
+
+
+def remove_stale_tmp(parent: Path, keep: Path | None = None, quiet_s: float = STALE_TMP_S) -> list[Path]:
+    """Remove hidden `.NAME.tmp-*` folders of interrupted saves in `parent`: nothing written to them for `quiet_s`
+    seconds (so a save still under way, e.g. another run's, is left alone)."""
+    removed, now = [], time.time()
+    for d in parent.glob(".*.tmp-*"):
+        if not d.is_dir() or d == keep:
+            continue
+        try:
+            newest = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.iterdir()])
+        except OSError:
+            continue
+        if now - newest >= quiet_s:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed

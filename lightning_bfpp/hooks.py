@@ -21,6 +21,13 @@ class PipelineHooks:
 
     Optional:
         ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``.
+        ``pipeline_train_metrics(output, target)``: called once per training step on the rank(s) holding the last
+        stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
+        with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
+        step ends (for a language model: the logits of the whole batch).
+
+    Your ``validation_step``, ``test_step`` and ``predict_step`` run as written on the last stage's ranks, with
+    ``self(x)`` returning the pipeline's output; ``training_step`` is replaced by the pipeline (``pipeline_loss``).
     """
 
     def pipeline_layers(self) -> Sequence[nn.Module]:

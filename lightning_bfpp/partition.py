@@ -111,7 +111,17 @@ class StageModule(nn.Module):
                     f"{', '.join(self._order)}); stage input {describe(args)}, layer input {describe(inputs)}"
                 )
                 raise
+            if not _passes_between_stages(out):
+                raise TypeError(
+                    f"bfpp: layer {name} of stage {self.index} returned {type(out).__name__} ({describe([out])}): a "
+                    "pipeline layer must return a tensor or a tuple of tensors (its next layer's arguments); return "
+                    "a tuple in a fixed order instead of a dict, or wrap the layer."
+                )
         return out
+
+
+def _passes_between_stages(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) or (isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value))
 
 
 def describe(values: Sequence[Any]) -> str:
@@ -130,7 +140,11 @@ class RemoteLayer(nn.Module):
         self.where = f"{name} (stage {stage}, pipeline rank {rank})"
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"layer {self.where} lives on another pipeline rank; run it through the bfpp strategy")
+        raise RuntimeError(
+            f"layer {self.where} lives on another pipeline rank: under strategy='bfpp' the model runs through the "
+            "pipeline. In validation_step/test_step/predict_step call self(x) (it returns the pipeline's output); "
+            "outside the Trainer, export the checkpoint (python -m lightning_bfpp.checkpoint) and load it in one process."
+        )
 
     def extra_repr(self) -> str:
         return self.where

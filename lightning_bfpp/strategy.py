@@ -3,6 +3,10 @@
 # (launchers, sampler, checkpoint I/O, loops) is Lightning's ModelParallelStrategy.
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import os
+import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -17,14 +21,15 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .hooks import check_hooks
-from .launcher import CheckingLauncher
+from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
 from .parallel import (DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
                        stage_mixed_precision)
 from .partition import check_layout, plan_stages, split_stages
@@ -33,7 +38,8 @@ from .runtime.instrument import MEMORY_KEYS, gather_stats, local_bytes, optimize
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, build_schedule
 from .tied import TiedWeights, find_shared_weights
-from .watchdog import Watchdog
+from .user_steps import pipeline_answers_forward, run_on_last_stage
+from .watchdog import FAILED, STOP_SIGNALS, Watchdog
 
 SHARDING = ("full", "none")
 NONFINITE_LOSS = ("stop", "skip")
@@ -48,7 +54,8 @@ class BFPPStrategy(ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
 
     Args:
-        pipeline_parallel: pipeline ranks (pp); data parallel = world_size / pp.
+        pipeline_parallel: pipeline ranks (pp); data parallel = world_size / pp. Default (None): the world size
+            (every process one pipeline rank; fewer when the model has fewer layers), printed at start.
         loops: stages per pipeline rank; stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe" or "1f1b".
@@ -60,10 +67,14 @@ class BFPPStrategy(ModelParallelStrategy):
             per layer) instead of keeping its activations; only each layer's inputs stay saved.
         nonfinite_loss: a NaN/inf training loss (seen by every rank at once) "stop"s the run with an error
             before the optimizer step, or "skip"s that batch's gradients and goes on (counted as
-            ``skipped_batches``).
+            ``skipped_batches``); more than ``max_consecutive_skips`` skipped in a row stop the run.
+        max_consecutive_skips: with nonfinite_loss="skip", the bound on consecutive skipped batches (default 5).
         process_group_backend: as in ModelParallelStrategy.
         timeout: bound on every distributed wait — collectives, p2p, the store (a timedelta or seconds; default
             30 min, torch's). A rank that dies or fails ends the job long before: see ``lightning_bfpp.watchdog``.
+        trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file). Off by
+            default: only plain data and tensors load (also switched on by BFPP_TRUST_CHECKPOINTS=1). README
+            "Checkpoints" says what is safe to load from an untrusted source.
 
     Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
     parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
@@ -73,7 +84,7 @@ class BFPPStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel: int = 1,
+        pipeline_parallel: int | None = None,
         loops: int = 1,
         micro_batches: int | None = None,
         schedule: str = "breadth_first",
@@ -83,8 +94,10 @@ class BFPPStrategy(ModelParallelStrategy):
         stage_layers: Sequence[int] | None = None,
         activation_checkpointing: bool = False,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
+        max_consecutive_skips: int = 5,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        trust_checkpoints: bool = False,
     ) -> None:
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             if timeout <= 0:
@@ -104,12 +117,19 @@ class BFPPStrategy(ModelParallelStrategy):
             )
         if nonfinite_loss not in NONFINITE_LOSS:
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be one of {NONFINITE_LOSS}: stop the run, or skip the step.")
+        if not (isinstance(max_consecutive_skips, int) and max_consecutive_skips >= 1):
+            raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r} must be a positive integer (default 5).")
         self.nonfinite_loss = nonfinite_loss
+        self.max_consecutive_skips = max_consecutive_skips
+        self._default_layout = pipeline_parallel is None  # pp = world size, decided once the world is known
+        self._layout_announced = False
+        self._contract_announced = False
+        self._requested_micro_batches = micro_batches
         self.spec = ScheduleSpec(
             name=schedule,
-            pipeline_parallel=pipeline_parallel,
+            pipeline_parallel=pipeline_parallel or 1,
             loops=loops,
-            micro_batches=micro_batches if micro_batches is not None else pipeline_parallel,
+            micro_batches=micro_batches if micro_batches is not None else pipeline_parallel or 1,
             groups=groups,
             reshard_after_forward=bool(reshard_after_forward),
         )
@@ -126,9 +146,11 @@ class BFPPStrategy(ModelParallelStrategy):
         self.step_stats: dict[str, Any] = {}
         self._fresh_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self.skipped_batches = 0
+        self._consecutive_skips = 0
         self.tied: TiedWeights | None = None
         self._watchdog: Watchdog | None = None
         self._failed = False
+        self.trust_checkpoints = bool(trust_checkpoints)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -156,10 +178,35 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.runner is not None, "the schedule is built in setup()"
         return self.runner.schedules["train"]
 
+    # ---- the default layout (strategy="bfpp" with no pipeline_parallel) -------------------------------------
+    def _resolve_default_layout(self, world: int, num_layers: int | None = None) -> None:
+        """Without an explicit pipeline_parallel, every process is a pipeline rank: pp = the world size, or its
+        largest divisor that leaves every stage a layer (`num_layers`, once the model is known)."""
+        if not self._default_layout or not world:
+            return
+        fits = [pp for pp in range(1, world + 1) if world % pp == 0
+                and (num_layers is None or pp * self.spec.loops <= num_layers)]
+        pp = max(fits or [1])
+        if pp == self.spec.pipeline_parallel and num_layers is None:
+            return
+        m = self._requested_micro_batches if self._requested_micro_batches is not None else pp
+        self.spec = dataclasses.replace(self.spec, pipeline_parallel=pp, micro_batches=m)
+        self._train_schedule = build_schedule(self.spec)
+        if self.stage_layers is not None:
+            self.stage_layers = check_layout(self.stage_layers, None, self.spec.num_stages)
+        if num_layers is not None and not self._layout_announced:
+            self._layout_announced = True
+            rank_zero_info(
+                f"bfpp: default layout on {world} processes: pipeline_parallel={pp}, data_parallel={world // pp}, "
+                f"loops={self.spec.loops}, micro_batches={m}, schedule={self.spec.name} (choose with "
+                "BFPPStrategy(pipeline_parallel=..., loops=..., micro_batches=...))."
+            )
+
     # ---- processes and mesh --------------------------------------------------------------------
     @override
     def _configure_launcher(self) -> None:
         world = self.num_processes * self.num_nodes
+        self._resolve_default_layout(world)
         if world and world % self.spec.pipeline_parallel:
             fits = [pp for pp in range(1, world + 1) if world % pp == 0]
             raise ValueError(
@@ -176,7 +223,10 @@ class BFPPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()
         if self.world_size > 1 and self._watchdog is None:
-            self._watchdog = Watchdog(self.global_rank, self.world_size, on_exit=self._kill_children)
+            requeue = slurm_requeue_signal(self.cluster_environment)
+            self._watchdog = Watchdog(self.global_rank, self.world_size, on_exit=self._kill_children,
+                                      signals=STOP_SIGNALS + ((requeue,) if requeue else ()),
+                                      on_signal_stop=self._requeue if requeue and self.global_rank == 0 else None)
             self._watchdog.start()
             self._failed = False
         self._device_mesh = build_mesh(self.root_device.type, self.spec.pipeline_parallel, self.world_size, self._timeout)
@@ -186,6 +236,7 @@ class BFPPStrategy(ModelParallelStrategy):
     def _check_before_launch(self, ckpt_path: str | None = None) -> None:
         if self.lightning_module is not None and self.runner is None:  # once built, the model is already cut
             self.check_model(self.lightning_module)
+        ckpt.check_path(ckpt_path, trust=self.trust_checkpoints)  # exists, complete, plain data only
 
     def _kill_children(self, wait: float = 0.0) -> None:
         """When this rank is Lightning's launching process, its child ranks go down with it (after `wait`
@@ -200,14 +251,51 @@ class BFPPStrategy(ModelParallelStrategy):
         self._failed = True
         if self._watchdog is not None:
             self._watchdog.report(exception)
-            self._kill_children(wait=self._watchdog.interval + self._watchdog.grace + 1.0)
+            signalled = self._watchdog.code != FAILED
+            self._kill_children(wait=self._watchdog.interval + (1.0 if signalled else self._watchdog.grace + 1.0))
+        else:  # before the process group (e.g. its rendezvous timed out): the children have nothing to say
+            self._kill_children()
 
     @override
     def teardown(self) -> None:
+        """After a stop signal the process ends here with the job's code (128 + N) rather than the code of a
+        secondary error (a peer's closed connection), which would say 1 on some ranks."""
+        code = None
         if self._watchdog is not None:
+            code = self._watchdog.code if self._failed else None
             self._watchdog.stop(finished=not self._failed)
             self._watchdog = None
         super().teardown()
+        if code is not None and code != FAILED:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def _claim_signals(self) -> None:
+        """Lightning installs its SIGTERM handler after ``setup_environment``; the watchdog's handlers go back on
+        top at the start of every loop (see ``lightning_bfpp.watchdog``)."""
+        if self._watchdog is not None:
+            self._watchdog.claim_signals()
+
+    @override
+    def on_train_start(self) -> None:
+        self._claim_signals()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._claim_signals()
+
+    @override
+    def on_test_start(self) -> None:
+        self._claim_signals()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._claim_signals()
+
+    def _requeue(self, signum: int) -> None:
+        """Global rank 0, after SLURM's requeue signal stopped every rank: put the job back in the queue."""
+        requeue_slurm_job()
 
     # ---- model ---------------------------------------------------------------------------------
     @override
@@ -230,14 +318,46 @@ class BFPPStrategy(ModelParallelStrategy):
     def check_model(self, module) -> list[list[str]]:
         """Check `module` against these settings without changing it; return the layer names of every stage.
 
-        Raises when a pipeline hook is missing, fp16 loss scaling is on, or the layers cannot be cut into
-        pipeline_parallel x loops stages (see ``partition.plan_stages``). Lightning's launcher runs this in the
-        launching process before it starts the others; ``setup`` runs it on every rank.
+        Raises when a pipeline hook is missing, the module optimizes manually, the precision is fp16, or the
+        layers cannot be cut into pipeline_parallel x loops stages (see ``partition.plan_stages``). Lightning's
+        launcher runs this in the launching process before it starts the others; ``setup`` runs it on every rank.
         """
         check_hooks(module)
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError("strategy='bfpp' does not support loss scaling (fp16-mixed); use precision='bf16-mixed'.")
-        return plan_stages(module, list(module.pipeline_layers()), self.spec.num_stages, self.stage_layers)
+        name = type(module).__name__
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"{name}.automatic_optimization=False: strategy='bfpp' runs forward and backward of every micro-batch "
+                "itself inside the training step, so a manual optimization loop cannot run; use automatic "
+                "optimization (return the loss, or let bfpp compute it with pipeline_loss) or another strategy."
+            )
+        if is_overridden("training_step", module) and "dataloader_iter" in inspect.signature(module.training_step).parameters:
+            raise ValueError(f"{name}.training_step(dataloader_iter): strategy='bfpp' needs one batch per step; take `batch`.")
+        precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+        if getattr(self.precision_plugin, "scaler", None) is not None or precision.startswith("16"):
+            raise ValueError(
+                f"precision={precision!r}: strategy='bfpp' does not support fp16 (no loss scaling across pipeline "
+                "stages; fp16 overflows within steps); use precision='bf16-mixed' or 'bf16-true' (or '32-true')."
+            )
+        layers = list(module.pipeline_layers())
+        self._resolve_default_layout(self.num_processes * self.num_nodes, len(layers))
+        self._announce_contract(module)
+        return plan_stages(module, layers, self.spec.num_stages, self.stage_layers)
+
+    def _announce_contract(self, module) -> None:
+        """Say once, at start-up, which of the user's methods bfpp runs as written and which it replaces."""
+        if self._contract_announced:
+            return
+        self._contract_announced = True
+        name = type(module).__name__
+        metrics = "pipeline_train_metrics(output, target)" if callable(getattr(module, "pipeline_train_metrics", None)) \
+            else "none (define pipeline_train_metrics(output, target) to log training metrics)"
+        replaced = (f"{name}.training_step is not run: " if is_overridden("training_step", module) else "") + \
+            "each training step runs the pipeline schedule with pipeline_loss per micro-batch and logs train_loss"
+        as_written = [m for m in ("validation_step", "test_step", "predict_step") if is_overridden(m, module)]
+        rank_zero_info(
+            f"bfpp: {replaced}; training metrics: {metrics}; run as written on the last stage with self(x) = the "
+            f"pipeline's output: {', '.join(as_written) or 'none'} (README: Adapting a model)."
+        )
 
     def _build_pipeline(self, module) -> PipelineRunner:
         pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
@@ -314,7 +434,9 @@ class BFPPStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [_unwrap(o) for o in self.optimizers]
         aliases = self.tied.aliases() if self.tied is not None else None
-        return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading, aliases=aliases)
+        # every rank checks the checkpoint (under torchrun/SLURM no launcher has) and loads without running code
+        return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading, aliases=aliases,
+                         trust=self.trust_checkpoints)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -344,8 +466,9 @@ class BFPPStrategy(ModelParallelStrategy):
         previous = [p.grad for p in params]  # grads of earlier accumulation batches: kept out of 1/m scaling
         for p in params:
             p.grad = None
+        train_metrics = getattr(module, "pipeline_train_metrics", None)
         with self.precision_plugin.train_step_context():
-            loss = self.runner.train_step(inputs, target)
+            loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics))
         if self.tied:
             self.tied.sum_gradients()
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
@@ -355,8 +478,12 @@ class BFPPStrategy(ModelParallelStrategy):
         loss = share_from_ranks(loss, self.data_parallel, self.root_device)
         self._update_stats(params)
         module.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(inputs))
+        if callable(train_metrics):
+            with torch.no_grad():
+                self._run_user_step(lambda: train_metrics(outputs, target))
         if not torch.isfinite(loss):  # the shared loss: every rank takes this branch together
             return self._on_nonfinite_loss(loss, args[1] if len(args) > 1 else None)
+        self._consecutive_skips = 0
         return loss
 
     def _on_nonfinite_loss(self, loss: torch.Tensor, batch_idx: int | None) -> torch.Tensor:
@@ -372,8 +499,17 @@ class BFPPStrategy(ModelParallelStrategy):
             )
         self._fresh_grads = []  # backward hands nothing over; parameters without gradients are not stepped
         self.skipped_batches += 1
+        self._consecutive_skips += 1
+        if self._consecutive_skips > self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"{where}: {self._consecutive_skips} batches in a row had a non-finite loss (nonfinite_loss='skip' "
+                f"allows max_consecutive_skips={self.max_consecutive_skips}): the weights are likely poisoned (e.g. "
+                "by a huge update). Stopping every rank; lower the learning rate or resume from an earlier checkpoint "
+                "(Hydra: schedule.max_consecutive_skips=N raises the bound)."
+            )
         self.lightning_module.log("skipped_batches", float(self.skipped_batches), batch_size=1)
-        rank_zero_warn(f"{where}: dropped that batch's gradients (nonfinite_loss='skip', {self.skipped_batches} so far).")
+        rank_zero_warn(f"{where}: dropped that batch's gradients (nonfinite_loss='skip', {self.skipped_batches} so far, "
+                       f"{self._consecutive_skips} in a row).")
         return loss
 
     @override
@@ -393,37 +529,47 @@ class BFPPStrategy(ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _eval_step(self, key: str, batch: Any, context) -> torch.Tensor:
+    def _run_user_step(self, method) -> tuple[Any, list[str]]:
+        """`method()` on the ranks holding the last stage; its logs replayed and its result returned on every
+        rank (see ``lightning_bfpp.user_steps``)."""
         assert self.runner is not None
-        inputs, target = self.lightning_module.pipeline_inputs(batch)
+        pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
+        return run_on_last_stage(self.lightning_module, method, self.runner.has_last_stage, pp_mesh.get_group(),
+                                 self.spec.pipeline_parallel - 1, dp_mesh.get_group(), self.root_device)
+
+    def _user_step(self, step: str, context, args: tuple, kwargs: dict) -> Any:
+        """The user's own `step` (validation_step, test_step, predict_step) with `self(x)` answered by the
+        pipeline's forward of this batch; a predict_step the user did not write returns that output."""
+        assert self.runner is not None
+        module = self.lightning_module
+        batch = kwargs.get("batch", args[0] if args else None)
+        inputs = module.pipeline_inputs(batch)[0]
         with context():
-            loss = self.runner.eval_step(inputs, target)
-        loss = share_from_ranks(loss, self.data_parallel, self.root_device)
-        # identical on every rank already; sync_dist only makes the epoch mean explicit (and quiet)
-        self.lightning_module.log(key, loss, prog_bar=True, batch_size=_batch_size(inputs), sync_dist=True)
-        return loss
+            output = self.runner.predict_step(inputs)  # every rank takes part; the output is on the last stage's
+            if not is_overridden(step, module):
+                method = lambda: output  # noqa: E731  (Lightning's default predict_step is self(batch))
+            else:
+                def method():
+                    with pipeline_answers_forward(module, inputs, output, step):
+                        return getattr(module, step)(*args, **kwargs)
+            result, nonfinite = self._run_user_step(method)
+        if nonfinite:
+            rank_zero_warn(f"{type(module).__name__}.{step} logged non-finite {', '.join(nonfinite)} "
+                           f"(batch {kwargs.get('batch_idx', args[1] if len(args) > 1 else '?')}).")
+        return result
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._eval_step("val_loss", args[0], self.precision_plugin.val_step_context)
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._eval_step("test_loss", args[0], self.precision_plugin.test_step_context)
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Last stage's outputs, broadcast over the pipeline group: every rank returns them."""
-        assert self.runner is not None
-        inputs = self.lightning_module.pipeline_inputs(args[0])[0]
-        with self.precision_plugin.predict_step_context():
-            out = self.runner.predict_step(inputs)
-        if self.spec.pipeline_parallel > 1:
-            box = [out.cpu() if isinstance(out, torch.Tensor) else out]
-            pp_mesh = self.device_mesh[PP]
-            dist.broadcast_object_list(box, group=pp_mesh.get_group(), group_src=self.spec.pipeline_parallel - 1)
-            out = box[0].to(self.root_device) if isinstance(box[0], torch.Tensor) else box[0]
-        return out
+        """What the user's predict_step returns, on every rank (shared over the pipeline group)."""
+        return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
     def _update_stats(self, params: list[torch.nn.Parameter]) -> None:
         """Per-step measurements, identical on every rank: the max over ranks of each number (bubble, times,

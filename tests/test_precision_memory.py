@@ -82,8 +82,7 @@ def test_bf16_mixed_sharded_sends_bf16_and_reduces_fp32(runs):
     forward-only eval/predict pipelines), fp32 gradient reduce-scatter, fp32 predictions (last stage)."""
     ranks = runs["bf16-mixed"]
     p2p = _dtypes(ranks, "p2p")
-    assert {(mode, kind) for mode, _, kind, _ in p2p} == {("train", "act"), ("train", "grad"), ("eval", "act"),
-                                                         ("predict", "act")}
+    assert {(mode, kind) for mode, _, kind, _ in p2p} == {("train", "act"), ("train", "grad"), ("predict", "act")}
     assert {stage for _, stage, _, _ in p2p} == {0, 1, 2, 3}
     assert {dtype for *_, dtype in p2p} == {"torch.bfloat16"}
     assert _dtypes(ranks, "fsdp") == {("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.float32")}

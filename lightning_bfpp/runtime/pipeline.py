@@ -21,6 +21,12 @@ def _shape_key(inputs: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in items)
 
 
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return type(value)(_detach(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
 def _batch_size(inputs: Any) -> int:
     first = inputs[0] if isinstance(inputs, tuple) else inputs
     return first.shape[0]
@@ -49,7 +55,7 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.replicate_group = replicate_group  # data-parallel group when grads are all-reduced, not sharded
         self.schedules: dict[str, Schedule] = {"train": schedule}
-        self.schedules["eval"] = build_schedule(dataclasses.replace(spec, forward_only=True))
+        self.schedules["forward"] = build_schedule(dataclasses.replace(spec, forward_only=True))
         self._runtimes: dict[tuple, tuple[Any, list]] = {}
         self.timeline = Timeline()
         self.meter = SavedActivationMeter(modules.values())
@@ -62,7 +68,7 @@ class PipelineRunner:
     def _runtime(self, mode: str, inputs: Any):
         key = (mode, _shape_key(inputs))
         if key not in self._runtimes:
-            schedule = self.schedules["train" if mode == "train" else "eval"]
+            schedule = self.schedules["train" if mode == "train" else "forward"]
             loss_fn = None if mode == "predict" else self.loss_fn
             runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
             for stage in stages:
@@ -78,7 +84,7 @@ class PipelineRunner:
                 "make the batch size a multiple of micro_batches (use drop_last=True for a ragged last batch)."
             )
 
-    def _run(self, mode: str, inputs: Any, target: Any) -> tuple[Any, list[torch.Tensor]]:
+    def _run(self, mode: str, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[Any, list[torch.Tensor]]:
         self._check_batch(inputs)
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -88,35 +94,31 @@ class PipelineRunner:
         if mode == "train":
             batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
             with self.meter.track(exclude=batch):
-                out = runtime.step(*args, target=target, losses=losses, return_outputs=False)
-        elif mode == "eval":
-            out = runtime.eval(*args, target=target, losses=losses)
+                out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs)
         else:
             out = runtime.step(*args)
         self.last_stats = self.timeline.stats(start, time.perf_counter())
         return out, losses
 
-    def train_step(self, inputs: Any, target: Any) -> torch.Tensor | None:
+    def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of all micro-batches; leaves reduced, 1/m-scaled grads in `.grad`.
 
-        Returns the mean micro-batch loss on the rank holding the last stage, else None.
+        Returns the mean micro-batch loss on the rank holding the last stage (else None) and, with
+        `keep_outputs`, the last stage's outputs of all micro-batches concatenated (detached; else None).
         """
         self.meter.peak = self.meter.current
-        _, losses = self._run("train", inputs, target)
+        out, losses = self._run("train", inputs, target, keep_outputs)
         if self.replicate_group is not None:
             for mod in self.modules.values():
                 for p in mod.parameters():
                     if p.grad is not None:
                         dist.all_reduce(p.grad, group=self.replicate_group)  # gloo has no AVG
                         p.grad.div_(dist.get_world_size(self.replicate_group))
-        return torch.stack([l.detach() for l in losses]).mean() if losses else None
-
-    def eval_step(self, inputs: Any, target: Any) -> torch.Tensor | None:
-        with torch.no_grad():
-            _, losses = self._run("eval", inputs, target)
-        return torch.stack([l.detach() for l in losses]).mean() if losses else None
+        loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
+        return loss, _detach(out) if keep_outputs else None
 
     def predict_step(self, inputs: Any) -> Any:
+        """The last stage's output for `inputs` (micro-batches concatenated) on the rank holding it, else None."""
         with torch.no_grad():
             out, _ = self._run("predict", inputs, None)
         return out

@@ -1,0 +1,189 @@
+# Scope: the user's own LightningModule steps under bfpp. validation_step, test_step, predict_step (and the
+# optional training-metrics hook) run as written on the ranks that hold the last stage, where `self(x)` is
+# answered by the pipeline's output. What they log is recorded there and replayed on every rank of the
+# pipeline group in the same order, so every rank ends each step with the same keys and values and the
+# loggers' collectives (sync_dist, torchmetrics' sync) match on every rank.
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.utilities.data import dim_zero_mean
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+
+
+@dataclass
+class MetricRef:
+    """A torchmetrics Metric logged by the user's step, named by its attribute in the LightningModule. The
+    other pipeline ranks log their own (never updated) copy: its states are the reductions' identities
+    (sum 0, empty cat, ±inf max/min), so torchmetrics' world-wide sync at compute() counts every sample
+    once. Its step value (``_forward_cache``) travels with it."""
+
+    attribute: str
+    forward_cache: Any
+    update_count: int
+
+
+@dataclass
+class StepRecord:
+    """What the last stage's user step did: its `self.log` calls (in order) and its return value."""
+
+    calls: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
+    result: Any = None
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def _cpu(value: Any) -> Any:
+    return _to(value.detach() if isinstance(value, torch.Tensor) else value, torch.device("cpu"))
+
+
+def _same_inputs(args: tuple, expected: tuple) -> bool:
+    if len(args) != len(expected):
+        return False
+    for a, e in zip(args, expected):
+        if a is e:
+            continue
+        if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor) and a.shape == e.shape
+                and torch.equal(a.to(e.device), e)):
+            return False
+    return True
+
+
+@contextmanager
+def pipeline_answers_forward(module: nn.Module, inputs: Any, output: Any, step: str) -> Iterator[None]:
+    """Within the block, ``module(x)`` / ``module.forward(x)`` return `output` (the pipeline's output for
+    `inputs`); any other input is refused, naming the rule."""
+    expected = inputs if isinstance(inputs, tuple) else (inputs,)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs or not _same_inputs(args, expected):
+            raise ValueError(
+                f"{type(module).__name__}.{step} called self(...) with inputs other than pipeline_inputs(batch)[0]: "
+                "under strategy='bfpp', self(x) returns the pipeline's output for the batch's inputs only. Call "
+                "self(x) with x = self.pipeline_inputs(batch)[0], and transform inputs inside pipeline_inputs() "
+                "or the first layer."
+            )
+        return output
+
+    module.forward = forward  # an instance attribute: shadows the class's forward for this call only
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+@contextmanager
+def recording_logs(module: LightningModule) -> Iterator[list[tuple[str, Any, dict[str, Any]]]]:
+    """Within the block, `module.log` (and `log_dict`, which calls it) records its calls instead of logging."""
+    calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(module, name, value, *args, **kwargs).arguments
+        calls.append((name, value, {k: v for k, v in bound.items() if k not in ("self", "name", "value")}))
+
+    module.log = log
+    try:
+        yield calls
+    finally:
+        del module.log
+
+
+def _pack(module: nn.Module, calls: list[tuple[str, Any, dict[str, Any]]]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """The calls as they cross the pipeline group: metrics by attribute name, tensors on the CPU."""
+    names = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
+    packed = []
+    for name, value, kwargs in calls:
+        if isinstance(value, Metric):
+            attribute = kwargs.get("metric_attribute") or names.get(id(value))
+            if attribute is None:
+                raise ValueError(
+                    f"self.log({name!r}, <{type(value).__name__}>): under strategy='bfpp' a logged torchmetrics Metric "
+                    f"must be an attribute of {type(module).__name__} (e.g. self.val_acc = Accuracy(...) in __init__), "
+                    "so every pipeline rank can log its own copy."
+                )
+            value = MetricRef(attribute, _cpu(value._forward_cache), value._update_count)
+        if kwargs.get("sync_dist_group") is not None:
+            raise ValueError(
+                f"self.log({name!r}, ..., sync_dist_group=...): under strategy='bfpp' sync_dist reduces over the "
+                "data-parallel group (each pipeline rank of a replica logs the same value); drop sync_dist_group."
+            )
+        packed.append((name, _cpu(value), kwargs))
+    return packed
+
+
+_warned_mean_states: set[str] = set()
+
+
+def _local_metric(module: nn.Module, ref: MetricRef, device: torch.device) -> Metric:
+    metric = module.get_submodule(ref.attribute)
+    metric._forward_cache = _to(ref.forward_cache, device)
+    metric._update_count = max(metric._update_count, ref.update_count)  # compute() without update would warn
+    metric._computed = None
+    if ref.attribute not in _warned_mean_states and any(fx is dim_zero_mean for fx in metric._reductions.values()):
+        _warned_mean_states.add(ref.attribute)
+        rank_zero_warn(f"{ref.attribute}: a Metric with mean-reduced states is averaged over every rank at compute(), "
+                       "including the pipeline ranks that hold no output; use sum-reduced states under strategy='bfpp'.")
+    return metric
+
+
+def replay(module: LightningModule, calls: list[tuple[str, Any, dict[str, Any]]], last_stage: bool,
+           dp_group: dist.ProcessGroup | None, device: torch.device) -> list[str]:
+    """Log `calls` on this rank; return the names of non-finite plain values. sync_dist reduces over the
+    data-parallel group only (every pipeline rank of a replica holds the same value), which gives the
+    one-process result for every reduce_fx."""
+    nonfinite = []
+    for name, value, kwargs in calls:
+        if isinstance(value, MetricRef):
+            value = module.get_submodule(value.attribute) if last_stage else _local_metric(module, value, device)
+        else:
+            value = _to(value, device)
+            if not bool(torch.isfinite(torch.as_tensor(value)).all()):
+                nonfinite.append(name)
+        if dp_group is not None and kwargs.get("sync_dist"):
+            kwargs = {**kwargs, "sync_dist_group": dp_group}
+        module.log(name, value, **kwargs)
+    return nonfinite
+
+
+def run_on_last_stage(
+    module: LightningModule,
+    method: Callable[..., Any] | None,
+    holds_last_stage: bool,
+    pp_group: dist.ProcessGroup | None,
+    last_rank: int,
+    dp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[Any, list[str]]:
+    """Run `method` (a user step, with forward answered and logs recorded) where the last stage is, share what
+    it logged and returned over the pipeline group (`last_rank`: its group rank), replay the logs on every rank,
+    and return the step's result on every rank, with the names of the non-finite values it logged."""
+    record = StepRecord()
+    if holds_last_stage and method is not None:
+        with recording_logs(module) as calls:
+            result = method()
+        record = StepRecord(_pack(module, calls), _cpu(result))
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        box = [record]
+        dist.broadcast_object_list(box, group=pp_group, group_src=last_rank)
+        record = box[0]
+    nonfinite = replay(module, record.calls, holds_last_stage, dp_group, device)
+    return _to(record.result, device), nonfinite

@@ -1,0 +1,154 @@
+"""The user's own validation/test/predict steps, torchmetrics, callbacks and loggers under bfpp equal the same
+module under strategy="auto" (one process drawing the same batches), on every rank, for pp in {1, 2, 4} x
+loops in {1, 2} x dp in {1, 2}. Unit tests of the record/replay pieces need no processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from launch import ROOT, clean_env
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.procenv import free_port
+from lightning_bfpp.user_steps import _pack, pipeline_answers_forward, recording_logs
+from user_module import VAL, Classifier
+
+SCRIPT = ROOT / "tests" / "run_user_module.py"
+TOL = 1e-6
+# world size -> layouts run in one launch (dp = world / pp)
+LAUNCHES = {
+    1: [{"strategy": "auto", "dp": 1}, {"strategy": "auto", "dp": 2}],
+    2: [{"pp": 2, "loops": 1}, {"pp": 2, "loops": 2}, {"pp": 1, "loops": 2}],
+    4: [{"pp": 4, "loops": 1}, {"pp": 4, "loops": 2}, {"pp": 2, "loops": 1}, {"pp": 2, "loops": 2}],
+    8: [{"pp": 4, "loops": 2}],
+}
+# synced over data-parallel ranks, so equal to one process whatever dp is (the rest: only at dp=1)
+SYNCED = {"val_acc", "val_loss", "val_seen", "val_max_logit", "test_acc", "test_loss", "train_loss", "train_acc",
+          "train_acc_epoch", "lr-SGD"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("user")
+    for w, cfgs in LAUNCHES.items():  # one launch at a time: 15 processes at once crawl on 2 cores
+        p = subprocess.run([sys.executable, str(SCRIPT), str(out / f"w{w}"), str(w), json.dumps(cfgs)],
+                           env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-5000:]
+    return {(w, i): [torch.load(out / f"w{w}" / f"cfg{i}" / f"rank{r}.pt", weights_only=False) for r in range(w)]
+            for w, cfgs in LAUNCHES.items() for i in range(len(cfgs))}
+
+
+LAYOUTS = [(w, i, c) for w, cfgs in LAUNCHES.items() if w > 1 for i, c in enumerate(cfgs)]
+
+
+def _close(got: dict[str, float], want: dict[str, float], keys) -> list:
+    return [(k, got.get(k), want.get(k)) for k in keys if k not in got or k not in want or abs(got[k] - want[k]) > TOL]
+
+
+@pytest.mark.parametrize("world,index,cfg", LAYOUTS, ids=[f"pp{c['pp']}-l{c['loops']}-dp{w // c['pp']}" for w, _, c in LAYOUTS])
+def test_user_metrics_callbacks_and_predictions_equal_auto(runs, world, index, cfg):
+    dp = world // cfg["pp"]
+    ref = runs[(1, dp - 1)][0]
+    for rank, got in enumerate(runs[(world, index)]):
+        for phase in ("fit", "validate", "test", "logged"):
+            keys = set(ref[phase]) | set(got[phase])
+            assert set(got[phase]) == set(ref[phase]), (rank, phase)  # every rank ends with the same keys
+            assert not _close(got[phase], ref[phase], keys if dp == 1 else keys & SYNCED), (rank, phase)
+        # ModelCheckpoint(monitor="val_acc"), EarlyStopping(monitor="val_acc"), the loop's progress
+        assert (got["best_score"], got["stopped_epoch"], got["global_step"]) == \
+            (pytest.approx(ref["best_score"], abs=TOL), ref["stopped_epoch"], ref["global_step"])
+        assert 0 < got["stopped_epoch"] < 3  # early stopping did act (max_epochs=4)
+        # the user's predict_step (argmax): this rank's data-parallel replica's samples
+        replica = rank % dp  # the mesh is (pp, dp), dp innermost
+        assert torch.equal(got["predictions"], ref["predictions"][replica::dp] if dp > 1 else ref["predictions"])
+        assert got["validate"]["val_seen"] == VAL  # summed over replicas once, not once per pipeline rank
+    csv, ref_csv = runs[(world, index)][0]["csv"], ref["csv"]
+    assert [r.keys() for r in csv] == [r.keys() for r in ref_csv]
+    columns = set(ref_csv[0]) if dp == 1 else SYNCED & set(ref_csv[0])
+    assert "lr-SGD" in columns  # LearningRateMonitor
+    for row, want in zip(csv, ref_csv):
+        for k in columns:
+            assert (row[k] == want[k]) or (row[k] and want[k] and abs(float(row[k]) - float(want[k])) <= TOL), (k, row, want)
+
+
+def test_replicas_pipeline_ranks_agree_on_local_values(runs):
+    """Values not synced over data parallel are the replica's own, the same on each of its pipeline ranks."""
+    ranks = runs[(4, 3)]  # pp=2, dp=2
+    for replica in (0, 1):  # global rank = pipeline rank x 2 + replica
+        a, b = ranks[replica], ranks[2 + replica]
+        assert a["fit"]["val_loss_local"] == b["fit"]["val_loss_local"]
+    assert ranks[0]["fit"]["val_loss_local"] != ranks[1]["fit"]["val_loss_local"]
+
+
+# ---- pieces, in one process ------------------------------------------------------------------------------------
+
+def test_forward_answers_only_the_pipeline_inputs():
+    model = Classifier()
+    x, out = torch.randn(4, 12), torch.randn(4, 4)
+    with pipeline_answers_forward(model, x, out, "validation_step"):
+        assert model(x) is out and model(x.clone()) is out
+        with pytest.raises(ValueError, match="validation_step called self.* other than pipeline_inputs"):
+            model(x * 2)
+    assert model(x).shape == (4, 4) and model(x) is not out  # the class's forward again
+
+
+def test_logs_are_recorded_with_metrics_by_attribute():
+    model = Classifier()
+    with recording_logs(model) as calls:
+        model.val_acc(torch.tensor([1, 2]), torch.tensor([1, 3]))
+        model.log("val_acc", model.val_acc, prog_bar=True)
+        model.log_dict({"a": 1.0, "b": torch.tensor(2.0)}, sync_dist=True)
+    packed = _pack(model, calls)
+    assert [name for name, *_ in packed] == ["val_acc", "a", "b"]
+    ref = packed[0][1]
+    assert (ref.attribute, float(ref.forward_cache), ref.update_count) == ("val_acc", 0.5, 1)
+    assert packed[0][2]["prog_bar"] and packed[2][2]["sync_dist"]
+    with recording_logs(model) as calls:
+        from torchmetrics import MeanMetric
+        model.log("loose", MeanMetric())
+    with pytest.raises(ValueError, match="must be an attribute of Classifier"):
+        _pack(model, calls)
+
+
+class ManualModel(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize("model,precision,match", [
+    (ManualModel, "32-true", "automatic_optimization=False"),
+    (Classifier, "16-true", "precision='16-true'"),
+])
+def test_unsupported_modes_fail_before_launch(model, precision, match):
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=BFPPStrategy(pipeline_parallel=2), precision=precision,
+                      logger=False, enable_progress_bar=False, max_steps=1)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model())
+
+
+def test_default_layout_pipelines_over_every_process():
+    strategy = BFPPStrategy()
+    Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+    assert (strategy.pipeline_parallel, strategy.micro_batches) == (4, 4)
+    strategy.check_model(BoringPipeline())  # 3 layers: pp=4 leaves a stage without one -> largest fit, 2
+    assert strategy.pipeline_parallel == 2
+
+
+class BoringPipeline(BoringModel):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+
+    def pipeline_layers(self):
+        return list(self.layer)
+
+    def pipeline_loss(self, output, target):
+        return output.sum()

@@ -1,0 +1,126 @@
+"""A LightningModule written the way a Lightning user writes one (its own steps, torchmetrics, a scheduler),
+plus the three pipeline hooks; used to check that bfpp runs the user's steps as written."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_bfpp import PipelineHooks
+
+DIM, CLASSES, TRAIN, VAL = 12, 4, 64, 64
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + F.gelu(self.fc(self.norm(x)))
+
+
+class Classifier(PipelineHooks, LightningModule):
+    def __init__(self, width: int = 16, depth: int = 6, lr: float = 0.4):
+        super().__init__()
+        self.save_hyperparameters()
+        self.inp = nn.Linear(DIM, width)
+        self.blocks = nn.ModuleList(Residual(width) for _ in range(depth))
+        self.out = nn.Linear(width, CLASSES)
+        self.train_acc = MulticlassAccuracy(CLASSES, average="micro")
+        self.val_acc = MulticlassAccuracy(CLASSES, average="micro")
+        self.test_acc = MulticlassAccuracy(CLASSES, average="micro")
+
+    # the pipeline hooks
+    def pipeline_layers(self):
+        return [self.inp, *self.blocks, self.out]
+
+    def pipeline_loss(self, output, target):
+        return F.cross_entropy(output, target)
+
+    def pipeline_train_metrics(self, output, target):
+        self.train_acc(output.argmax(-1), target)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+
+    # plain Lightning
+    def forward(self, x):
+        return self.pipeline_forward(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.pipeline_train_metrics(logits.detach(), y)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.val_acc(logits.argmax(-1), y)  # forward: also this batch's value
+        self.log("val_acc", self.val_acc, prog_bar=True)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_loss_local", loss)  # not synced: this rank's (replica's) mean
+        self.log("val_step_loss", loss, on_step=True, on_epoch=False)
+        self.log("val_seen", float(len(y)), reduce_fx="sum", sync_dist=True)
+        self.log_dict({"val_max_logit": logits.max()}, reduce_fx="max", sync_dist=True)
+        return {"n": len(y)}
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.test_acc.update(logits.argmax(-1), y)  # update only: the epoch value
+        self.log("test_acc", self.test_acc)
+        self.log("test_loss", F.cross_entropy(logits, y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+
+
+def data(train: bool) -> TensorDataset:
+    g = torch.Generator().manual_seed(7 if train else 8)
+    n = TRAIN if train else VAL
+    x = torch.randn(n, DIM, generator=g)
+    return TensorDataset(x, (x[:, :CLASSES] + 0.5 * torch.randn(n, CLASSES, generator=g)).argmax(-1))
+
+
+def loader(train: bool, batch_size: int) -> DataLoader:
+    return DataLoader(data(train), batch_size=batch_size, shuffle=False, drop_last=True)
+
+
+class ReplicaOrder(Sampler):
+    """One process's order equal to `replicas` data-parallel ranks under Lightning: its training sampler is a
+    DistributedSampler (shuffle, seed 0, reshuffled each epoch); global batch t joins every replica's t-th batch."""
+
+    def __init__(self, dataset, replicas: int, per_replica: int):
+        self.samplers = [DistributedSampler(dataset, num_replicas=replicas, rank=r, shuffle=True, seed=0)
+                         for r in range(replicas)]
+        self.per_replica = per_replica
+
+    def set_epoch(self, epoch: int) -> None:
+        for s in self.samplers:
+            s.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.samplers)
+
+    def __iter__(self):
+        orders, b = [list(s) for s in self.samplers], self.per_replica
+        for t in range(len(orders[0]) // b):
+            for order in orders:
+                yield from order[t * b : (t + 1) * b]
+
+
+def reference_loader(replicas: int, batch_size: int) -> DataLoader:
+    """The training batches of `replicas` data-parallel ranks (global `batch_size`), for a one-process run."""
+    ds = data(True)
+    return DataLoader(ds, batch_size=batch_size, sampler=ReplicaOrder(ds, replicas, batch_size // replicas), drop_last=True)

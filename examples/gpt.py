@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_bfpp.hooks import PipelineHooks
 
@@ -97,8 +99,12 @@ class Head(nn.Module):
 
 
 class GPT(PipelineHooks, L.LightningModule):
-    def __init__(self, cfg: GPTConfig, optim: OptimConfig | None = None) -> None:
+    def __init__(self, cfg: GPTConfig | dict, optim: OptimConfig | dict | None = None) -> None:
         super().__init__()
+        cfg = GPTConfig(**cfg) if isinstance(cfg, dict) else cfg
+        optim = OptimConfig(**optim) if isinstance(optim, dict) else optim
+        # plain dicts in checkpoints: GPT.load_from_checkpoint(file) rebuilds the model, no pickled classes needed
+        self.save_hyperparameters({"cfg": asdict(cfg), "optim": asdict(optim or OptimConfig())})
         if not (isinstance(cfg.n_head, int) and cfg.n_head >= 1 and cfg.n_embd % cfg.n_head == 0):
             heads = [h for h in range(1, min(cfg.n_embd, 16) + 1) if cfg.n_embd % h == 0] if cfg.n_embd >= 1 else []
             raise ValueError(
@@ -110,6 +116,9 @@ class GPT(PipelineHooks, L.LightningModule):
         self.embedding = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
+        # eval metrics (torchmetrics, synced over data parallel at epoch end): next-byte accuracy, bits per byte
+        metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro"), "bpb": MeanMetric()})
+        self.val_metrics, self.test_metrics = metrics.clone(prefix="val_"), metrics.clone(prefix="test_")
         if cfg.tie_weights:
             self.head.lm_head.weight = self.embedding.tok.weight
         self.apply(self._init_weights)
@@ -144,11 +153,20 @@ class GPT(PipelineHooks, L.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def _eval(self, batch, metrics: MetricCollection) -> torch.Tensor:
+        x, y = self.pipeline_inputs(batch)
+        logits = self(x)  # under bfpp: the pipeline's output
+        loss = self.pipeline_loss(logits, y)
+        metrics["acc"].update(logits.argmax(-1), y)
+        metrics["bpb"].update(loss / math.log(2), weight=y.numel())
+        self.log_dict(metrics)
+        return loss
+
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        self.log("val_loss", self._eval(batch, self.val_metrics), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch), sync_dist=True)
+        self.log("test_loss", self._eval(batch, self.test_metrics), sync_dist=True)
 
     def configure_optimizers(self):
         o = self.optim

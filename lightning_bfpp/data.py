@@ -8,7 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -111,9 +111,14 @@ class CorpusDataModule(L.LightningDataModule):
             self.val_set = ByteWindows(val, self.block_size, self.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.per_replica_batch_size, shuffle=True, generator=gen,
-                          drop_last=True, num_workers=self.num_workers)
+        """Shuffled by the sampler Lightning would give a distributed run (DistributedSampler, seed `seed`,
+        reshuffled every epoch), here also in one process: strategy="auto" on one device draws the very batches
+        of bfpp at data_parallel=1, so the two runs are comparable step by step."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        replicas = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(self.train_set, shuffle=True, seed=self.seed, **replicas)
+        return DataLoader(self.train_set, batch_size=self.per_replica_batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.per_replica_batch_size, shuffle=False, drop_last=True,

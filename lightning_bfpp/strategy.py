@@ -127,9 +127,9 @@ class BFPPStrategy(ModelParallelStrategy):
         self._requested_micro_batches = micro_batches
         self.spec = ScheduleSpec(
             name=schedule,
-            pipeline_parallel=pipeline_parallel or 1,
+            pipeline_parallel=1 if pipeline_parallel is None else pipeline_parallel,
             loops=loops,
-            micro_batches=micro_batches if micro_batches is not None else pipeline_parallel or 1,
+            micro_batches=micro_batches if micro_batches is not None else 1 if pipeline_parallel is None else pipeline_parallel,
             groups=groups,
             reshard_after_forward=bool(reshard_after_forward),
         )

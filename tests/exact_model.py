@@ -55,11 +55,11 @@ class StackNet(PipelineHooks, LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", self.pipeline_loss(self(x), y))
+        self.log("val_loss", self.pipeline_loss(self(x), y), sync_dist=True)  # the mean over data-parallel replicas
 
     def test_step(self, batch, batch_idx):
         x, y = batch
-        self.log("test_loss", self.pipeline_loss(self(x), y))
+        self.log("test_loss", self.pipeline_loss(self(x), y), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0])

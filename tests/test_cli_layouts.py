@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -21,9 +22,18 @@ def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def _last_eval(run_dir) -> dict[str, float]:
+    """The GPT's torchmetrics (val_acc, val_bpb) of the last validation, from the CSV logger."""
+    with open(run_dir / "csv" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("val_acc")]
+    return {k: float(rows[-1][k]) for k in ("val_acc", "val_bpb")}
+
+
 def test_same_train_loss_on_one_two_and_four_processes(tmp_path):
-    """optim=sgd, same data and steps: pp=1 (1 process), pp=2 x loops=2 (2), pp=4 x loops=1 (4)."""
+    """optim=sgd, same data and steps: plain Lightning (strategy=auto) and bfpp pp=1 (1 process), pp=2 x loops=2
+    (2), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's own validation_step)."""
     layouts = {
+        "auto": ["cluster=cpu_1", "trainer.strategy=auto"],
         "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
         "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
         "cpu4": ["cluster=cpu_4", "schedule.pipeline_parallel=4", "schedule.loops=1", "schedule.micro_batches=4"],
@@ -33,11 +43,10 @@ def test_same_train_loss_on_one_two_and_four_processes(tmp_path):
         run_cli(COMMON + args + [f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
         s = _summary(tmp_path / name)
         assert s["steps"] == 3 and s["data_parallel"] == 1
-        losses[name] = (s["train_loss"], s["val_loss"])
-    base = losses["cpu1"]
-    for name, (train, val) in losses.items():
-        assert abs(train - base[0]) <= 1e-5 * base[0], losses
-        assert abs(val - base[1]) <= 1e-5 * base[1], losses
+        losses[name] = (s["train_loss"], s["val_loss"], *_last_eval(tmp_path / name).values())
+    base = losses["auto"]
+    for name, values in losses.items():
+        assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values, base)), losses
 
 
 def test_tied_embeddings_across_stages_match_one_process(tmp_path):
@@ -66,6 +75,7 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
     run_cli(COMMON + ["cluster=cpu_4", "schedule.pipeline_parallel=4", "schedule.loops=1", "schedule.micro_batches=2",
                       "trainer.max_steps=4", "trainer.val_check_interval=4",
                       f"ckpt_path={first / 'checkpoints' / 'step-2.ckpt'}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    assert (resumed / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # a resumed run keeps checkpointing
     a, b = _summary(first), _summary(resumed)
     assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * a["train_loss"], (a["train_loss"], b["train_loss"])
     assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * a["val_loss"]
@@ -83,6 +93,9 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
         cfg = compose("train", overrides=COMMON + layout)
     model = GPT(GPTConfig(**{k: v for k, v in cfg.model.items() if k != "name"}))
     model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
+    loaded = GPT.load_from_checkpoint(out)  # as README shows: the hyperparameters travel with the weights
+    assert loaded.cfg.n_layer == cfg.model.n_layer and loaded.optim.name == "sgd" and loaded.optim.lr == cfg.optim.lr
+    assert all(torch.equal(t, loaded.state_dict()[k]) for k, t in model.state_dict().items())
     data = CorpusDataModule(**{k: v for k, v in cfg.data.items() if k != "name"})
     trainer = L.Trainer(accelerator="cpu", devices=1, limit_val_batches=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False)

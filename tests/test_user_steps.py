@@ -152,3 +152,37 @@ class BoringPipeline(BoringModel):
 
     def pipeline_loss(self, output, target):
         return output.sum()
+
+
+def test_skipping_nonfinite_losses_has_a_limit():
+    """nonfinite_loss='skip' drops a bad batch, but more than max_consecutive_skips in a row stop the run;
+    a finite loss in between resets the count."""
+    from types import SimpleNamespace
+
+    strategy = BFPPStrategy(pipeline_parallel=1, nonfinite_loss="skip", max_consecutive_skips=2)
+    logged = []
+    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(global_step=7, current_epoch=0),
+                                                 log=lambda name, value, **kw: logged.append((name, value)))
+    nan = torch.tensor(float("nan"))
+    with pytest.warns(UserWarning, match="dropped that batch"):
+        strategy._on_nonfinite_loss(nan, 0)
+        strategy._on_nonfinite_loss(nan, 1)
+    strategy._consecutive_skips = 0  # what a finite step does (training_step)
+    with pytest.warns(UserWarning):
+        strategy._on_nonfinite_loss(nan, 3)
+        strategy._on_nonfinite_loss(nan, 4)
+    with pytest.raises(FloatingPointError, match="3 batches in a row .* max_consecutive_skips=2"):
+        strategy._on_nonfinite_loss(nan, 5)
+    assert logged[-1] == ("skipped_batches", 4.0)
+    with pytest.raises(ValueError, match="max_consecutive_skips=0"):
+        BFPPStrategy(max_consecutive_skips=0)
+
+
+def test_nonfinite_eval_values_are_named():
+    from lightning_bfpp.user_steps import replay
+
+    model = Classifier()
+    calls = [("val_loss", torch.tensor(float("nan")), {"sync_dist": True}), ("val_ok", torch.tensor(1.0), {})]
+    with recording_logs(model) as replayed:  # stands in for Lightning's log
+        assert replay(model, calls, True, None, torch.device("cpu")) == ["val_loss"]
+    assert [name for name, *_ in replayed] == ["val_loss", "val_ok"]

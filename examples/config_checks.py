@@ -1,14 +1,30 @@
-# Scope: examples/train.py's preflight — the rules of the app's own Hydra keys (cluster, data, model,
-# trainer), checked before the Trainer starts any process. Each error names the key, its value, the rule
-# and a fix. Schedule knobs (schedule.name, micro_batches, loops, groups, sharding, stage_layers) are
-# checked by BFPPStrategy when train.py builds it, and the model's layers against the stages by its launcher.
+# Scope: examples/train.py's preflight — the rules of the app's own Hydra keys (cluster, data, model, optim,
+# trainer), checked in the launching process before the Trainer starts any process. Each error names the key,
+# its value, the rule and a fix. Schedule knobs (schedule.name, micro_batches, loops, groups, sharding,
+# stage_layers) are checked by BFPPStrategy when train.py builds it, the model's layers against the stages and
+# `ckpt_path` by its launcher.
 from __future__ import annotations
+
+import inspect
+import math
+from difflib import get_close_matches
 
 from omegaconf import DictConfig, OmegaConf
 
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
             "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size", "trainer.max_steps")
 OPTIMIZERS = ("adamw", "sgd")  # examples/gpt.py GPT.configure_optimizers
+# Trainer arguments examples/train.py sets from other keys: `trainer.<key>` would be overridden or conflict.
+SET_ELSEWHERE = {
+    "accelerator": "cluster.accelerator", "devices": "cluster.devices", "num_nodes": "cluster.num_nodes",
+    "logger": "logger=wandb|csv|none", "default_root_dir": "hydra.run.dir",
+    "enable_checkpointing": "checkpoint.last=false (and checkpoint.every_n_steps=0)",
+    "callbacks": "a callback in examples/train.py (objects cannot be given on the command line)",
+}
+# trainer.precision: short forms as Lightning reads them, and what trains the example under each strategy
+PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
+BFPP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+AUTO_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true", "16-mixed")
 
 
 class ConfigError(ValueError):
@@ -19,8 +35,63 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first illegal app setting (see the module comment for what is left out)."""
+    check_trainer_keys(cfg)
+    check_precision(cfg)
+    check_model_and_data(cfg)
+    check_optim(cfg)
+    dp = check_layout(cfg)
+    if dp is not None:
+        check_corpus(cfg, dp)
+
+
+def check_trainer_keys(cfg: DictConfig) -> None:
+    """Every `trainer.<key>` (also `+trainer.<key>=...`) is passed to lightning.Trainer: it must be one of its
+    arguments, and not one that examples/train.py sets from another key."""
+    import lightning as L
+
+    allowed = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+    for key in cfg.trainer:
+        value = OmegaConf.select(cfg, f"trainer.{key}")
+        if key in SET_ELSEWHERE:
+            raise ConfigError(f"trainer.{key}={value!r} is set by examples/train.py from {SET_ELSEWHERE[key]}; "
+                              f"use that instead of trainer.{key}.")
+        if key not in allowed:
+            close = get_close_matches(key, sorted(allowed), n=1)
+            hint = f"did you mean trainer.{close[0]}? " if close else ""
+            raise ConfigError(f"trainer.{key}={value!r} is not an argument of lightning.Trainer; {hint}Any Trainer "
+                              "argument can be given as trainer.<name>=<value> (+trainer.<name>=<value> if conf/train.yaml "
+                              "does not list it).")
+    if cfg.trainer.get("strategy") not in ("bfpp", "auto"):
+        raise ConfigError(f"trainer.strategy={cfg.trainer.get('strategy')!r}: use trainer.strategy=bfpp (pipelined) "
+                          "or trainer.strategy=auto (plain Lightning, for comparison).")
+
+
+def check_precision(cfg: DictConfig) -> None:
+    """Precisions that train the example under the chosen strategy and accelerator; fp16 needs loss scaling."""
+    raw, strategy, accelerator = cfg.trainer.get("precision"), cfg.trainer.strategy, cfg.cluster.accelerator
+    value = PRECISION_ALIASES.get(str(raw), str(raw))
+    allowed = BFPP_PRECISIONS if strategy == "bfpp" else AUTO_PRECISIONS
+    if value == "16-true":
+        raise ConfigError(f"trainer.precision={raw!r}: fp16 weights without loss scaling overflow (the example GPT's loss "
+                          "is NaN at step 1); use trainer.precision=bf16-true (bf16 weights) or bf16-mixed.")
+    if value == "16-mixed" and strategy == "bfpp":
+        raise ConfigError(f"trainer.precision={raw!r} needs fp16 loss scaling, which strategy=bfpp does not do; use "
+                          "trainer.precision=bf16-mixed.")
+    if value == "16-mixed" and accelerator == "cpu":
+        raise ConfigError(f"trainer.precision={raw!r}: fp16 autocast with loss scaling needs a GPU (cluster.accelerator="
+                          "cpu); use trainer.precision=bf16-mixed.")
+    if value not in allowed:
+        raise ConfigError(f"trainer.precision={raw!r} is not supported with trainer.strategy={strategy}; use one of "
+                          f"{', '.join(allowed)}.")
+
+
+def check_model_and_data(cfg: DictConfig) -> None:
     def get(key: str):
         return OmegaConf.select(cfg, key)
 
@@ -28,15 +99,48 @@ def check_config(cfg: DictConfig) -> None:
         if not _is_positive_int(get(key)):
             raise ConfigError(f"{key}={get(key)!r} must be a positive integer; set {key}=1 or more.")
     fraction = get("data.val_fraction")
-    if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
+    if not (_is_number(fraction) and 0 < fraction < 1):
         raise ConfigError(f"data.val_fraction={fraction!r} must be in (0, 1); e.g. data.val_fraction=0.05.")
     if get("data.block_size") > get("model.block_size"):
         raise ConfigError(
             f"data.block_size={get('data.block_size')} must be <= model.block_size={get('model.block_size')} (the "
             "model has that many position embeddings); leave data.block_size at ${model.block_size}."
         )
-    if get("optim.name") not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={get('optim.name')!r} is unknown; use optim={' or optim='.join(OPTIMIZERS)}.")
+
+
+def check_optim(cfg: DictConfig) -> None:
+    """optim.*: what torch.optim and GPT.configure_optimizers accept, and a learning rate that trains."""
+    o = cfg.optim
+    if o.get("name") not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={o.get('name')!r} is unknown; use optim={' or optim='.join(OPTIMIZERS)}.")
+    rules = [  # (key, holds, rule, fix)
+        ("lr", lambda v: _is_number(v) and v > 0, "must be a number > 0", "e.g. optim.lr=3e-3 (adamw) or 0.3 (sgd)"),
+        ("weight_decay", lambda v: _is_number(v) and v >= 0, "must be >= 0", "e.g. optim.weight_decay=0.1"),
+        ("warmup_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+         "must be an integer >= 0", "e.g. optim.warmup_steps=30 (0: no warmup)"),
+        ("min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "must be in [0, 1]", "e.g. optim.min_lr_ratio=0.1"),
+    ]
+    if o.name == "adamw":
+        rules.append(("betas", lambda v: len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v),
+                      "must be two numbers in [0, 1)", "e.g. optim.betas=[0.9,0.95]"))
+    else:
+        rules.append(("momentum", lambda v: _is_number(v) and 0 <= v < 1, "must be in [0, 1)", "e.g. optim.momentum=0.9"))
+    for key, holds, rule, fix in rules:
+        value = OmegaConf.select(o, key)
+        shown = list(value) if OmegaConf.is_list(value) else value
+        try:
+            ok = holds(shown)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"optim.{key}={shown!r} {rule}; {fix}.")
+
+
+def check_layout(cfg: DictConfig) -> int | None:
+    """World size, pipeline stages and the global batch; returns data_parallel (None: BFPPStrategy will name
+    an illegal schedule knob)."""
+    def get(key: str):
+        return OmegaConf.select(cfg, key)
 
     devices, nodes, batch = get("cluster.devices"), get("cluster.num_nodes"), get("data.batch_size")
     world, dp, m = devices * nodes, devices * nodes, 1
@@ -44,7 +148,7 @@ def check_config(cfg: DictConfig) -> None:
         pp, loops, m = get("schedule.pipeline_parallel"), get("schedule.loops"), get("schedule.micro_batches")
         m = pp if m is None else m
         if not all(_is_positive_int(v) for v in (pp, loops, m)):
-            return  # BFPPStrategy names the illegal schedule knob
+            return None  # BFPPStrategy names the illegal schedule knob
         if world % pp:
             fits = [d for d in range(1, world + 1) if world % d == 0]
             raise ConfigError(
@@ -71,3 +175,52 @@ def check_config(cfg: DictConfig) -> None:
             f"data.batch_size={batch} (global, per optimizer step) must be divisible by data_parallel x micro_batches "
             f"= {dp} x {m} = {unit} (each data-parallel replica loads data.batch_size / {dp}{split}"
         )
+    return dp
+
+
+def corpus_windows(max_bytes: int, val_fraction: float, block_size: int, stride: int | None) -> tuple[int, int, int, int]:
+    """(training bytes, training windows, validation bytes, validation windows) of lightning_bfpp.data's split
+    of a `max_bytes` corpus (the stdlib holds ~30 MB, so the corpus is max_bytes long below that)."""
+    cut = int(max_bytes * (1.0 - val_fraction))
+    train, val = cut, max_bytes - cut
+
+    def windows(n: int, step: int) -> int:
+        return (n - block_size - 1) // step + 1 if n >= block_size + 1 else 0
+
+    return train, windows(train, stride or block_size), val, windows(val, block_size)
+
+
+def check_corpus(cfg: DictConfig, dp: int) -> None:
+    """One full batch per data-parallel replica in the training split, and in the validation split when
+    validation runs (the loaders drop incomplete batches: a shorter split trains or validates nothing)."""
+    d = cfg.data
+    batch, block, stride, fraction = d.batch_size, d.block_size, d.get("stride"), d.val_fraction
+    validates = cfg.trainer.get("limit_val_batches") not in (0, 0.0)
+
+    def fits(n: int) -> bool:
+        _, w, _, wv = corpus_windows(n, fraction, block, stride)
+        return w >= batch and (wv >= batch or not validates)
+
+    if fits(d.max_bytes):
+        return
+    need = max(math.ceil(((batch - 1) * (stride or block) + block + 1) / (1 - fraction)),
+               math.ceil((batch * block + 1) / fraction) if validates else 0)
+    while not fits(need):
+        need += 1
+    while fits(need - 1):  # the bounds above round up: the least size that fits
+        need -= 1
+    train, w, val, wv = corpus_windows(d.max_bytes, fraction, block, stride)
+    per_replica = f"{batch // dp} per data-parallel replica x {dp}" if dp > 1 else "one replica"
+    if w < batch:
+        every, smaller = (f" starting every data.stride={stride} bytes", ", a smaller data.stride") if stride else ("", "")
+        raise ConfigError(
+            f"data.max_bytes={d.max_bytes} is too small: its training split ({train} bytes) holds {w} windows of "
+            f"data.block_size + 1 = {block + 1} bytes{every}, fewer than one batch of data.batch_size={batch} "
+            f"({per_replica}); use data.max_bytes={need} or more{smaller}, or a smaller data.batch_size."
+        )
+    raise ConfigError(
+        f"data.max_bytes={d.max_bytes} is too small for validation: its validation split (the last {val} bytes, "
+        f"data.val_fraction={fraction}) holds {wv} windows of {block + 1} bytes, fewer than one batch of "
+        f"data.batch_size={batch} ({per_replica}), so validation would be empty; use data.max_bytes={need} or more, "
+        "a larger data.val_fraction, or trainer.limit_val_batches=0 (no validation)."
+    )

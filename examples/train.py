@@ -4,6 +4,7 @@
 #   python examples/train.py -m schedule=breadth_first,depth_first
 #   torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
 #   python examples/train.py checkpoint.every_n_steps=100      # then: ckpt_path=<run dir>/checkpoints/step-100.ckpt
+#   python examples/train.py +trainer.max_epochs=1             # any other lightning.Trainer argument
 from __future__ import annotations
 
 import dataclasses
@@ -16,10 +17,12 @@ from pathlib import Path
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from hydra.types import RunMode
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `gpt` next to this file, also under `python -m`
+import run_dir as rundir  # noqa: E402
 from config_checks import check_config  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 
@@ -28,34 +31,7 @@ from lightning_bfpp.data import CorpusDataModule  # noqa: E402
 from lightning_bfpp.metrics import PipelineMetrics  # noqa: E402
 
 log = logging.getLogger(__name__)
-
-
-def run_id(default: str) -> str:
-    """One run directory for all processes of a job: launchers that start every rank themselves
-    (SLURM, torchrun) name the job; otherwise the time stamp `default` (the popen launcher passes
-    the parent's directory to its children)."""
-    if os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '0')}"
-    elastic = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if elastic not in ("", "none"):
-        return f"torchrun-{elastic}"
-    return default
-
-
-def output_subdir(default: str) -> str | None:
-    """Only global rank 0 writes the composed config (<run dir>/.hydra) when every rank runs Hydra."""
-    return default if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0" else None
-
-
-def rank_suffix() -> str:
-    """'' on global rank 0, '_rank<r>' elsewhere: one log file per rank when every rank runs Hydra."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    return "" if rank == "0" else f"_rank{rank}"
-
-
-OmegaConf.register_new_resolver("bfpp_run_id", run_id, replace=True)
-OmegaConf.register_new_resolver("bfpp_rank_suffix", rank_suffix, replace=True)
-OmegaConf.register_new_resolver("bfpp_output_subdir", output_subdir, replace=True)
+rundir.register_resolvers()  # the run directory's name in conf/train.yaml (examples/run_dir.py)
 
 
 def from_config(cls, node: DictConfig):
@@ -89,6 +65,40 @@ def build_strategy(cfg: DictConfig):
     return BFPPStrategy(schedule=s.pop("name"), activation_checkpointing=ac, **s)
 
 
+class WandbRunId(Callback):
+    """Keeps the W&B run id in every checkpoint (callback state), so that `ckpt_path=` continues that run."""
+
+    def __init__(self, run_id: str | None) -> None:
+        self.run_id = run_id
+
+    def state_dict(self) -> dict:
+        return {"id": self.run_id}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass  # read before the logger is built (stored_wandb_id); the current run's id stays
+
+
+def stored_wandb_id(ckpt_path: str | None) -> str | None:
+    """The W&B run id a checkpoint (bfpp folder or plain file) was written under; None if it has none or
+    cannot be read (the strategy's pre-launch check names a bad ckpt_path)."""
+    if not ckpt_path:
+        return None
+    from lightning_bfpp.checkpoint import read_meta
+
+    try:
+        meta = read_meta(ckpt_path)  # never runs code from the file (BFPP_TRUST_CHECKPOINTS=1 to trust it)
+        return meta.get("callbacks", {}).get(WandbRunId.__qualname__, {}).get("id")
+    except Exception:  # noqa: BLE001 - any unreadable checkpoint: a new W&B run
+        return None
+
+
+def wandb_id() -> str:
+    """A new W&B run id (8 characters of [0-9a-f], valid for W&B), known before the run starts."""
+    import secrets
+
+    return secrets.token_hex(4)
+
+
 def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str) -> list:
     name = cfg.logger.name
     if name == "none":
@@ -103,9 +113,16 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str) -> list:
         online = cfg.logger.mode == "online"
         if not online:
             os.environ["WANDB_MODE"] = "offline"
+        hc = HydraConfig.get()
+        group = cfg.logger.get("group") or (str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None)
+        stored = stored_wandb_id(cfg.ckpt_path) if cfg.logger.get("continue_run", True) else None
+        if stored and not cfg.logger.get("id"):
+            log.info(f"W&B: continuing run {stored}, which wrote {cfg.ckpt_path}; logger.continue_run=false for a new run")
+        run_id = cfg.logger.get("id") or stored or wandb_id()
         logger = WandbLogger(
             project=cfg.logger.project, entity=cfg.logger.entity, name=cfg.logger.run_name or run_name,
-            tags=list(cfg.logger.tags), save_dir=str(run_dir), offline=not online,
+            tags=list(cfg.logger.tags), save_dir=str(run_dir), offline=not online, group=group,
+            id=run_id, resume="allow",
         )
         return [logger]
     raise ValueError(f"logger.name={name!r}: use wandb, csv or none")
@@ -137,6 +154,7 @@ def main(cfg: DictConfig) -> dict | None:
     env_before = dict(os.environ)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     launches_children = "LOCAL_RANK" not in os.environ and not os.environ.get("SLURM_NTASKS")
+    lock = rundir.acquire(run_dir) if rundir.global_rank() == "0" else None  # this job's process that owns the dir
     if launches_children and world_size(cfg) > 1:
         prepare_relaunch()
     try:
@@ -151,6 +169,29 @@ def main(cfg: DictConfig) -> dict | None:
         if launches_children:
             os.environ.clear()
             os.environ.update(env_before)
+        if lock is not None:
+            rundir.release(lock)
+
+
+def trainer_arguments(cfg: DictConfig) -> dict:
+    """`trainer.*` as lightning.Trainer arguments (config_checks rejects keys the app sets itself)."""
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    kwargs.pop("strategy")
+    if kwargs.get("val_check_interval") is not None and cfg.trainer.max_steps > 0:
+        kwargs["val_check_interval"] = min(kwargs["val_check_interval"], cfg.trainer.max_steps)
+    return kwargs
+
+
+def checkpoint_callback(cfg: DictConfig, run_dir: Path) -> ModelCheckpoint | None:
+    """`last.ckpt` at the end of training (checkpoint.last, as Lightning's default checkpointing) and
+    `step-N.ckpt` every checkpoint.every_n_steps steps; None when both are off."""
+    every, last = int(cfg.checkpoint.every_n_steps), bool(cfg.checkpoint.get("last", True))
+    if every <= 0 and not last:
+        return None
+    # "step-200.ckpt": no '=' in the name, so `ckpt_path=<dir>/step-200.ckpt` needs no quoting for Hydra
+    return ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step-{step}", auto_insert_metric_name=False,
+                           every_n_train_steps=every if every > 0 else None, save_top_k=int(cfg.checkpoint.keep) if every > 0 else 0,
+                           monitor="step", mode="max", save_last=last, save_on_train_epoch_end=True)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
@@ -162,56 +203,46 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     data_keys = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
     datamodule = CorpusDataModule(**data_keys)
 
-    s = cfg.schedule
-    run_name = f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}" if cfg.trainer.strategy == "bfpp" else "auto"
-    n_params = sum(p.numel() for p in model.parameters())
+    s, bfpp = cfg.schedule, cfg.trainer.strategy == "bfpp"
+    run_name = f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}" if bfpp else "auto"
+    n_params = sum(p.numel() for p in model.parameters())  # a tied weight is one Parameter: counted once
+    pp = s.pipeline_parallel if bfpp else 1
+    layout = {"world_size": world_size(cfg), "data_parallel": world_size(cfg) // pp, "params": n_params}
     metrics = PipelineMetrics(
         flops_per_token=flops_per_token(model_cfg, n_params),
         peak_flops=cfg.cluster.peak_flops,
         out_dir=run_dir,
         summary_extra={"model": cfg.model.name, "cluster": cfg.cluster.name, "params": n_params,
                        "global_batch_size": cfg.data.batch_size, "block_size": cfg.model.block_size,
-                       "schedule": s.name if cfg.trainer.strategy == "bfpp" else "none",
-                       "pipeline_parallel": s.pipeline_parallel if cfg.trainer.strategy == "bfpp" else 1,
-                       "loops": s.loops if cfg.trainer.strategy == "bfpp" else 1,
-                       "micro_batches": s.micro_batches if cfg.trainer.strategy == "bfpp" else 1},
+                       "schedule": s.name if bfpp else "none", "pipeline_parallel": pp,
+                       "loops": s.loops if bfpp else 1, "micro_batches": s.micro_batches if bfpp else 1},
         log_schedule=bool(cfg.logger.get("log_schedule", True)),
     )
-    callbacks = [metrics]
+    callbacks: list[Callback] = [metrics]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=10))
-    every = int(cfg.checkpoint.every_n_steps)
-    if every > 0:
-        # "step-200.ckpt": no '=' in the name, so `ckpt_path=<dir>/step-200.ckpt` needs no quoting for Hydra
-        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step-{step}", auto_insert_metric_name=False,
-                                         every_n_train_steps=every, save_top_k=int(cfg.checkpoint.keep), monitor="step",
-                                         mode="max", save_last=True))
+    checkpoints = checkpoint_callback(cfg, run_dir)
+    if checkpoints is not None:
+        callbacks.append(checkpoints)
     loggers = build_loggers(cfg, run_dir, run_name)
-    t = cfg.trainer
+    if loggers:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if cfg.logger.name == "wandb":
+        callbacks.append(WandbRunId(loggers[0].version))
     trainer = L.Trainer(
+        **trainer_arguments(cfg),
         accelerator=cfg.cluster.accelerator,
         devices=cfg.cluster.devices,
         num_nodes=cfg.cluster.num_nodes,
         strategy=build_strategy(cfg),
-        max_steps=t.max_steps,
-        val_check_interval=min(t.val_check_interval, t.max_steps),
-        check_val_every_n_epoch=None,  # val_check_interval counts batches across epochs
-        limit_val_batches=t.limit_val_batches,
-        num_sanity_val_steps=0,
-        precision=t.precision,
-        gradient_clip_val=t.gradient_clip_val,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        log_every_n_steps=t.log_every_n_steps,
         logger=loggers or False,
         callbacks=callbacks,
-        enable_checkpointing=every > 0,
-        enable_progress_bar=t.enable_progress_bar,
-        enable_model_summary=False,
+        enable_checkpointing=checkpoints is not None,
         default_root_dir=str(run_dir),
     )
     if trainer.is_global_zero:
         for logger in loggers:
-            logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+            logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), **layout})
     started = datetime.now()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if trainer.is_global_zero:
@@ -222,5 +253,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     return None
 
 
+def refuse_a_dir_in_use(argv: list[str]) -> None:
+    """Before Hydra writes anything: an explicit `hydra.run.dir` that a live run holds is refused (exit 2).
+    The popen launcher's children (and torchrun/SLURM ranks > 0) join their own job's directory."""
+    target = rundir.explicit_run_dir(argv)
+    if target is None or rundir.global_rank() != "0" or {"-m", "--multirun"} & set(argv):
+        return
+    try:
+        rundir.check_free(target)
+    except rundir.RunDirInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    refuse_a_dir_in_use(sys.argv[1:])
     main()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import socket
 import struct
 import subprocess
 import sys
@@ -61,6 +63,25 @@ def read_wandb_offline(run_file: Path) -> list:
     return records
 
 
+def wandb_run(run_dir: Path) -> tuple[str, str, dict]:
+    """(run id, group, config) of the offline W&B run in `run_dir`."""
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    run_id, group, config = None, None, {}
+    for rec in read_wandb_offline(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run_id, group = rec.run.run_id, rec.run.run_group
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in rec.config.update})
+    return run_id, group, config
+
+
+def assert_logs_not_empty(run_dir: Path) -> None:
+    """Rank 0's log file exists; no rank leaves an empty one behind."""
+    logs = {p.name: p.stat().st_size for p in run_dir.glob("*.log")}
+    assert logs.get("train.log", 0) > 0 and all(logs.values()), logs
+
+
 def wandb_history(run_dir: Path) -> list[dict]:
     (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     rows = []
@@ -102,25 +123,43 @@ def test_cli_plain_lightning_writes_summary_and_csv(tmp_path):
     (metrics,) = (tmp_path / "run").glob("csv/version_*/metrics.csv")
     header = metrics.read_text().splitlines()[0].split(",")
     assert {"train_loss", "val_loss", "tokens_per_s", "step_s", "model_flops_per_s", "mfu"} <= set(header)
+    assert {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= set(header)  # LearningRateMonitor
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # saved at the end by default
 
 
 def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
+    """Logs, the run config, the schedule image; a run resumed from its last.ckpt continues the same W&B run
+    and keeps checkpointing."""
     run_dir = tmp_path / "run"
-    run_cli(["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=2",
-             "logger=wandb", "data.batch_size=8", *FAST, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    one_process = ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=2",
+                   "logger=wandb", "data.batch_size=8", "model.tie_weights=true"]
+    run_cli([*one_process, *FAST, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     summary = read_summary(run_dir)
     assert summary["schedule"] == "breadth_first" and summary["pipeline_parallel"] == 1
     assert summary["micro_batches"] == 2 and summary["data_parallel"] == 1
+    assert summary["params"] == 834_304  # gpt_tiny with the embedding tied to the head: that matrix counted once
+    run_id, group, config = wandb_run(run_dir)
+    assert {"world_size": 1, "data_parallel": 1, "params": 834_304}.items() <= config.items()
+    assert config["schedule"]["name"] == "breadth_first" and group == ""
     rows = wandb_history(run_dir)
     logged = set().union(*rows)
     assert {"train_loss", "val_loss", "tokens_per_s", "bubble_fraction", "trainer/global_step"} <= logged
+    assert {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= logged  # LearningRateMonitor
     assert any(key.startswith("mem/") for key in logged)
     images = [row for row in rows if row.get("schedule/_type") == "images/separated" or "schedule/filenames" in row
               or row.get("schedule/_type") == "image-file"]
     assert images, f"no schedule image among logged keys {sorted(logged)}"
     assert list(run_dir.glob("wandb/offline-run-*/files/media/images/schedule*.png"))
     assert (run_dir / "schedule.png").exists()
+    assert_logs_not_empty(run_dir)
+
+    resumed = tmp_path / "resumed"
+    run_cli([*one_process, *FAST, "trainer.max_steps=4", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
+             f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    assert wandb_run(resumed)[0] == run_id  # the same W&B run, continued
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == 4
+    assert (resumed / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # and it keeps checkpointing
 
 
 # ---- several processes (Lightning's popen launcher, torchrun) ----
@@ -131,8 +170,8 @@ def test_cli_default_config_on_four_processes(tmp_path):
     assert summary["world_size"] == 4 and summary["pipeline_parallel"] == 2 and summary["data_parallel"] == 2
     assert summary["loops"] == 2 and summary["schedule"] == "breadth_first"
     assert summary["bubble_fraction"] >= 0  # idle / busy time: can pass 1 on a loaded machine
-    assert sorted(p.name for p in (tmp_path / "run").glob("*.log")) == [
-        "train.log", "train_ddp_process_1.log", "train_ddp_process_2.log", "train_ddp_process_3.log"]
+    assert_logs_not_empty(tmp_path / "run")
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt" / "meta.pt").exists()
     assert not (tmp_path / "outputs").exists()  # children reused the parent's run dir
 
 
@@ -148,9 +187,11 @@ def test_cli_multirun_sweeps_every_schedule_on_two_processes(tmp_path):
         summary = read_summary(job)
         assert job.name.endswith(summary["schedule"]) and summary["world_size"] == 2
         assert summary["pipeline_parallel"] == 2 and summary["data_parallel"] == 1
-        assert (job / "train_ddp_process_1.log").exists()
+        assert_logs_not_empty(job)
         assert len(list(job.glob("wandb/offline-run-*/run-*.wandb"))) == 1  # one W&B run per job, not one per sweep
         assert "val_loss" in set().union(*wandb_history(job))
+        _, group, config = wandb_run(job)
+        assert group == str(sweep) and config["world_size"] == 2 and config["data_parallel"] == 1  # one group per sweep
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
@@ -162,7 +203,7 @@ def test_cli_torchrun_shares_one_run_dir(tmp_path):
     assert run_dir.name.startswith("torchrun-")
     summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["schedule"] == "gpipe"
-    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+    assert_logs_not_empty(run_dir)
 
 
 def test_cli_slurm_tasks_share_one_run_dir(tmp_path):
@@ -180,7 +221,7 @@ def test_cli_slurm_tasks_share_one_run_dir(tmp_path):
     assert run_dir.name == "slurm-4242.0"
     summary = read_summary(run_dir)
     assert summary["world_size"] == 2 and summary["schedule"] == "1f1b"
-    assert sorted(p.name for p in run_dir.glob("*.log")) == ["train.log", "train_rank1.log"]
+    assert_logs_not_empty(run_dir)
 
 
 def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
@@ -190,3 +231,79 @@ def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "data.batch_size=6 (global, per optimizer step) must be divisible by" in proc.stdout + proc.stderr
+
+
+# ---- run directories (issue 19): never shared by two runs ----
+sys.path.insert(0, str(ROOT / "examples"))
+import run_dir as rundir  # noqa: E402
+
+
+def test_run_dir_lock_refuses_a_live_run_and_takes_over_a_stale_one(tmp_path):
+    lock = tmp_path / rundir.LOCK_NAME
+    me = {"host": socket.gethostname()}
+    live = os.getppid()  # a live process that is not this one
+    lock.write_text(json.dumps({**me, "pid": live, "start": rundir._start_time(live)}))
+    with pytest.raises(rundir.RunDirInUse, match=f"hydra.run.dir={tmp_path} is in use by a live run: pid {live}"):
+        rundir.acquire(tmp_path)
+    lock.write_text(json.dumps({"host": "elsewhere", "pid": 1}))  # another host: cannot be checked, refused
+    with pytest.raises(rundir.RunDirInUse, match="host 'elsewhere'"):
+        rundir.acquire(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    reused = {**me, "pid": live, "start": "1"}  # a live pid that started at another time: a reused pid, stale
+    for stale in ({**me, "pid": int(dead.stdout)}, reused):
+        lock.write_text(json.dumps(stale))
+        assert rundir.acquire(tmp_path) == lock and json.loads(lock.read_text())["pid"] == os.getpid()
+        rundir.release(lock)
+        assert not lock.exists()
+
+
+def test_two_launches_name_different_run_dirs():
+    cmd = [sys.executable, "-c", "import run_dir; print(run_dir.run_id('2026-01-01/00-00-00'))"]
+    names = {subprocess.run(cmd, cwd=ROOT / "examples", capture_output=True, text=True, check=True).stdout.strip()
+             for _ in range(2)}
+    assert len(names) == 2 and all(n.startswith("2026-01-01/00-00-00-") for n in names), names
+
+
+def test_cli_two_runs_started_at_once_get_their_own_directories(tmp_path):
+    """Two launches at once with default output settings (cpu_2 under bfpp, cpu_1 plain Lightning) finish in
+    their own directories with their own checkpoints; +trainer.* reaches the Trainer (max_epochs=1 x 2 batches
+    stops the second run at 2 of 3 steps); a launch into a directory a live run holds is refused at once."""
+    common = ["logger=csv", "data.batch_size=4", "data.max_bytes=100000", "trainer.limit_val_batches=1",
+              "trainer.enable_progress_bar=false"]
+    runs = {"cpu_2": ["cluster=cpu_2", "schedule=gpipe", "schedule.micro_batches=2", "trainer.max_steps=2"],
+            "cpu_1": ["cluster=cpu_1", "trainer.strategy=auto", "trainer.max_steps=3", "+trainer.max_epochs=1",
+                      "+trainer.limit_train_batches=2"]}
+    held = tmp_path / "held"
+    lock = rundir.acquire(held)  # this test process plays the live run that owns `held`
+    try:
+        cmds = [[sys.executable, str(TRAIN), *common, *args] for args in runs.values()]
+        cmds.append([sys.executable, str(TRAIN), *common, *runs["cpu_1"], f"hydra.run.dir={held}"])
+        procs = [subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for cmd in cmds]
+        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    finally:
+        rundir.release(lock)
+    for proc, out in zip(procs[:2], outputs):
+        assert proc.returncode == 0, out[-5000:]
+    assert procs[2].returncode == 2 and f"hydra.run.dir={held} is in use by a live run: pid {os.getpid()}" in outputs[2]
+    assert sorted(p.name for p in held.iterdir()) == []  # the refused run wrote nothing there
+    dirs = sorted(tmp_path.glob("outputs/*/*"))
+    assert len(dirs) == 2, dirs
+    by_cluster = {json.loads((d / "summary.json").read_text())["cluster"]: d for d in dirs}
+    assert sorted(by_cluster) == ["cpu_1", "cpu_2"]
+    for cluster, d in by_cluster.items():
+        assert f"cluster={cluster}" in (d / ".hydra" / "overrides.yaml").read_text()
+        assert [p.name for p in d.glob("csv/version_*")] == ["version_0"] and not (d / rundir.LOCK_NAME).exists()
+        assert json.loads((d / "summary.json").read_text())["steps"] == 2
+    assert (by_cluster["cpu_2"] / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # a bfpp folder
+    assert (by_cluster["cpu_1"] / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_trainer_keys_reach_the_trainer():
+    import train
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["+trainer.max_epochs=1", "+trainer.deterministic=true", "trainer.max_steps=50"])
+    kwargs = train.trainer_arguments(cfg)
+    assert kwargs["max_epochs"] == 1 and kwargs["deterministic"] is True and "strategy" not in kwargs
+    assert kwargs["val_check_interval"] == 50 and kwargs["num_sanity_val_steps"] == 0  # capped at max_steps

@@ -1,5 +1,6 @@
 """Bad settings through the real command line: `python examples/train.py <overrides>` exits non-zero within a
 minute with an error naming the setting, before any training process starts (no hang, no half-started job).
+The app's own rules (examples/config_checks.py) are also checked in this process, without a command line.
 
 The rows run as concurrent subprocesses (one module-scoped fixture, 4 at a time), ~4 s of CPU (imports) and
 ~10-20 s of wall-clock time each on 2 cores. A run still going after HANG_S is killed and counts as hung."""
@@ -15,8 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
 from launch import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT / "examples"))
+from config_checks import ConfigError, check_config  # noqa: E402
 
 TRAIN = ROOT / "examples" / "train.py"
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
@@ -44,6 +49,10 @@ ROWS = [
     ("zero_devices", ["cluster.devices=0"], "cluster.devices"),
     ("heads_not_dividing_width", ["model.n_head=3"], "model.n_head"),
     ("zero_max_steps", ["trainer.max_steps=0"], "trainer.max_steps"),
+    # used to fail only after the processes started (issue 19), or to NaN at step 1
+    ("negative_lr", ["optim.lr=-1"], "optim.lr=-1"),
+    ("corpus_shorter_than_a_window", ["data.max_bytes=50"], "data.max_bytes=50"),
+    ("fp16_without_loss_scaling", ["trainer.precision=16-true"], "trainer.precision='16-true'"),
 ]
 
 
@@ -120,3 +129,67 @@ def test_bad_setting_under_torchrun_fails_on_every_rank(results):
     assert r.wall_s < LIMIT_S, where
     raised = [line for line in r.output.splitlines() if line.startswith(f"ValueError: {setting}")]
     assert raised and "timed out" not in r.output.lower(), where  # the check itself, not a peer's timeout
+
+
+# ---- the app's rules, in this process (compose + check_config; no command line, no processes) ----
+CHECKS = [  # (overrides, what the error must say)
+    (["optim.lr=-1"], "optim.lr=-1 must be a number > 0"),
+    (["optim.lr=0"], "optim.lr=0 must be a number > 0"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2 must be in [0, 1]"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
+    (["optim=sgd", "optim.momentum=-0.5"], "optim.momentum=-0.5"),
+    (["data.max_bytes=50"], "data.max_bytes=50 is too small: its training split (47 bytes) holds 0 windows"),
+    (["data.max_bytes=2000"], "fewer than one batch of data.batch_size=32 (16 per data-parallel replica x 2)"),
+    (["data.max_bytes=30000"], "data.max_bytes=30000 is too small for validation"),
+    (["data.max_bytes=30000", "data.stride=1000"], "its training split (28500 bytes) holds 29 windows"),
+    (["trainer.precision=16-true"], "trainer.precision='16-true': fp16 weights without loss scaling"),
+    (["trainer.precision=16"], "trainer.precision=16 needs fp16 loss scaling, which strategy=bfpp does not do"),
+    (["trainer.strategy=auto", "trainer.precision=16-mixed"], "needs a GPU (cluster.accelerator=cpu)"),
+    (["trainer.precision=64-true"], "trainer.precision='64-true' is not supported with trainer.strategy=bfpp"),
+    (["trainer.precision=transformer-engine"], "not supported with trainer.strategy=bfpp"),
+    (["+trainer.devices=2"], "trainer.devices=2 is set by examples/train.py from cluster.devices"),
+    (["+trainer.logger=false"], "from logger=wandb|csv|none"),
+    (["+trainer.enable_checkpointing=false"], "checkpoint.last=false"),
+    (["+trainer.max_epoch=1"], "trainer.max_epoch=1 is not an argument of lightning.Trainer; did you mean trainer.max_epochs?"),
+    (["trainer.strategy=ddp"], "trainer.strategy='ddp': use trainer.strategy=bfpp"),
+]
+ACCEPTED = [
+    [], ["+trainer.max_epochs=1", "+trainer.limit_train_batches=5"], ["trainer.precision=bf16-mixed"],
+    ["trainer.precision=bf16-true"], ["trainer.strategy=auto", "trainer.precision=64-true"],
+    ["trainer.strategy=auto", "cluster=gpu_8", "trainer.precision=16-mixed"],
+    ["data.max_bytes=30000", "trainer.limit_val_batches=0"],  # no validation: no validation split needed
+    ["optim=sgd", "optim.lr=1e-4", "optim.warmup_steps=0", "optim.min_lr_ratio=1"],
+]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+@pytest.mark.parametrize("overrides, message", CHECKS, ids=[" ".join(o) for o, _ in CHECKS])
+def test_app_setting_is_checked_before_launch(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose(overrides))
+    assert message in str(err.value)
+    key = overrides[-1].lstrip("+").split("=")[0]
+    assert key in str(err.value), f"the error does not name {key}: {err.value}"
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) or "defaults" for o in ACCEPTED])
+def test_legal_settings_pass_the_checks(overrides):
+    check_config(_compose(overrides))
+
+
+@pytest.mark.parametrize("overrides", [["data.max_bytes=50"], ["data.max_bytes=30000"], ["data.max_bytes=9000", "data.batch_size=64"],
+                                       ["data.max_bytes=3000", "cluster=cpu_1", "schedule.pipeline_parallel=1", "data.stride=7"]])
+def test_the_corpus_size_the_error_suggests_is_enough(overrides):
+    """`use data.max_bytes=N or more`: N passes, N - 1 does not (the suggestion is the least that works)."""
+    with pytest.raises(ConfigError) as err:
+        check_config(_compose(overrides))
+    need = int(str(err.value).split("use data.max_bytes=")[1].split()[0])
+    check_config(_compose([*overrides, f"data.max_bytes={need}"]))
+    with pytest.raises(ConfigError):
+        check_config(_compose([*overrides, f"data.max_bytes={need - 1}"]))

@@ -186,3 +186,15 @@ def test_nonfinite_eval_values_are_named():
     with recording_logs(model) as replayed:  # stands in for Lightning's log
         assert replay(model, calls, True, None, torch.device("cpu")) == ["val_loss"]
     assert [name for name, *_ in replayed] == ["val_loss", "val_ok"]
+
+
+def test_a_layer_returning_a_dict_is_named():
+    from lightning_bfpp.partition import StageModule
+
+    class Encoder(torch.nn.Module):
+        def forward(self, x):
+            return {"hidden": x}
+
+    stage = StageModule([("enc", Encoder()), ("head", torch.nn.Identity())], index=1, rank=1)
+    with pytest.raises(TypeError, match=r"layer enc of stage 1 returned dict .* a tensor or a tuple of tensors"):
+        stage(torch.zeros(2, 3))

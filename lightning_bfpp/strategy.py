@@ -28,6 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from . import checkpoint as ckpt
+from .handover import GradHandover
 from .hooks import check_hooks
 from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
 from .parallel import (DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
@@ -144,7 +145,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
         self.step_stats: dict[str, Any] = {}
-        self._fresh_grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._handover = GradHandover()  # gradients from the schedule in training_step, handed over in backward
         self.skipped_batches = 0
         self._consecutive_skips = 0
         self.tied: TiedWeights | None = None
@@ -463,18 +464,13 @@ class BFPPStrategy(ModelParallelStrategy):
             self._watchdog.progress(module.trainer.global_step)
         inputs, target = module.pipeline_inputs(args[0])
         params = [p for p in module.parameters() if p.requires_grad]
-        previous = [p.grad for p in params]  # grads of earlier accumulation batches: kept out of 1/m scaling
-        for p in params:
-            p.grad = None
         train_metrics = getattr(module, "pipeline_train_metrics", None)
-        with self.precision_plugin.train_step_context():
-            loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics))
-        if self.tied:
-            self.tied.sum_gradients()
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
-        self._fresh_grads = [(p, p.grad) for p in params]
-        for p, g in zip(params, previous):
-            p.grad = g
+        with self._handover.capture(params):
+            with self.precision_plugin.train_step_context():
+                loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics))
+            if self.tied:
+                self.tied.sum_gradients()
         loss = share_from_ranks(loss, self.data_parallel, self.root_device)
         self._update_stats(params)
         module.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(inputs))
@@ -497,7 +493,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 "last good ones. Check the data and the learning rate, or set nonfinite_loss='skip' (Hydra: "
                 "schedule.nonfinite_loss=skip) to drop such batches."
             )
-        self._fresh_grads = []  # backward hands nothing over; parameters without gradients are not stepped
+        self._handover.drop()  # backward hands nothing over; parameters without gradients are not stepped
         self.skipped_batches += 1
         self._consecutive_skips += 1
         if self._consecutive_skips > self.max_consecutive_skips:
@@ -518,13 +514,7 @@ class BFPPStrategy(ModelParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        scale = 1.0 / module.trainer.accumulate_grad_batches  # Lightning divides the loss the same way
-        for p, g in self._fresh_grads:
-            if g is None:
-                continue
-            g = g * scale if scale != 1.0 else g
-            p.grad = g if p.grad is None else p.grad + g
-        self._fresh_grads = []
+        self._handover.hand_over(1.0 / module.trainer.accumulate_grad_batches)  # as Lightning divides the loss
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -578,7 +568,7 @@ class BFPPStrategy(ModelParallelStrategy):
         local = {
             **self.runner.last_stats,
             "param_bytes": local_bytes(params),
-            "grad_bytes": local_bytes(g for _, g in self._fresh_grads),
+            "grad_bytes": local_bytes(self._handover.grads()),
             "optimizer_bytes": optimizer_bytes(self.optimizers),
             "activation_peak_bytes": self.runner.meter.peak,
         }

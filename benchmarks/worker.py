@@ -4,7 +4,7 @@ Usage (the benchmark modules call it through benchmarks/common.py:launch):
     python benchmarks/worker.py OUT_DIR DEVICES        # reads OUT_DIR/jobs.json
 
 Job kinds (each a dict with "kind", "model" (conf/model name), "batch" (global), "steps", ...):
-  bfpp    Trainer(strategy=BFPPStrategy(pp, loops, m, schedule, sharding))
+  bfpp    Trainer(strategy=BFPPStrategy(pp, loops, m, schedule, sharding, measure_every_n_steps=measure))
   raw     the same stages and micro-batches under torch.distributed.pipelining's public schedule class
           (ScheduleLoopedBFS / ScheduleInterleaved1F1B / ScheduleGPipe / Schedule1F1B) and a plain
           AdamW + LambdaLR loop — what a torch user writes by hand
@@ -111,7 +111,8 @@ def strategy_for(job: dict):
     kind = job["kind"]
     if kind == "bfpp":
         return BFPPStrategy(pipeline_parallel=job["pp"], loops=job.get("loops", 1), micro_batches=job["m"],
-                            schedule=job.get("schedule", "breadth_first"), sharding=job.get("sharding", "full"))
+                            schedule=job.get("schedule", "breadth_first"), sharding=job.get("sharding", "full"),
+                            measure_every_n_steps=job.get("measure"))
     if kind == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -81,7 +81,8 @@ class PipelineMetrics(Callback):
             row["model_flops_per_s"] = row["tokens_per_s"] * self.flops_per_token
             if self.peak_flops:
                 row["mfu"] = row["model_flops_per_s"] / (self.peak_flops * trainer.world_size)
-        stats = getattr(strategy, "step_stats", None)
+        # only a measured step's numbers (bfpp measures on logging steps by default: measure_every_n_steps)
+        stats = getattr(strategy, "step_stats", None) if getattr(strategy, "measured_step", True) else None
         if stats:
             for key in ("bubble_fraction", "compute_s"):
                 if stats.get(key) is not None:

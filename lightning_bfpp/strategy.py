@@ -73,6 +73,10 @@ class BFPPStrategy(ModelParallelStrategy):
         process_group_backend: as in ModelParallelStrategy.
         timeout: bound on every distributed wait — collectives, p2p, the store (a timedelta or seconds; default
             30 min, torch's). A rank that dies or fails ends the job long before: see ``lightning_bfpp.watchdog``.
+        measure_every_n_steps: when ``step_stats`` (bubble, compute time, per-rank bytes, saved-activation peak: an
+            all-gather over the world and a saved-tensor hook) are measured: None (default) on Lightning's logging
+            steps (``Trainer(log_every_n_steps=...)``) and the last step (``max_steps``); N every N-th step; 0 never.
+            Other steps run without timing wrappers, saved-tensor hook or all-gather.
         trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file). Off by
             default: only plain data and tensors load (also switched on by BFPP_TRUST_CHECKPOINTS=1). README
             "Checkpoints" says what is safe to load from an untrusted source.
@@ -99,6 +103,7 @@ class BFPPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         trust_checkpoints: bool = False,
+        measure_every_n_steps: int | None = None,
     ) -> None:
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             if timeout <= 0:
@@ -120,6 +125,11 @@ class BFPPStrategy(ModelParallelStrategy):
             raise ValueError(f"nonfinite_loss={nonfinite_loss!r} must be one of {NONFINITE_LOSS}: stop the run, or skip the step.")
         if not (isinstance(max_consecutive_skips, int) and max_consecutive_skips >= 1):
             raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r} must be a positive integer (default 5).")
+        if measure_every_n_steps is not None and not (
+                isinstance(measure_every_n_steps, int) and not isinstance(measure_every_n_steps, bool) and measure_every_n_steps >= 0):
+            raise ValueError(f"measure_every_n_steps={measure_every_n_steps!r} must be None (Lightning's logging steps), "
+                             "a positive integer N (every N-th step) or 0 (never).")
+        self.measure_every_n_steps = measure_every_n_steps
         self.nonfinite_loss = nonfinite_loss
         self.max_consecutive_skips = max_consecutive_skips
         self._default_layout = pipeline_parallel is None  # pp = world size, decided once the world is known
@@ -144,7 +154,8 @@ class BFPPStrategy(ModelParallelStrategy):
         self.stage_layers = check_layout(stage_layers, None, self.spec.num_stages) if stage_layers else None
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
-        self.step_stats: dict[str, Any] = {}
+        self.step_stats: dict[str, Any] = {}  # of the last measured step (see measure_every_n_steps)
+        self.measured_step = False  # whether the last training step was measured
         self._handover = GradHandover()  # gradients from the schedule in training_step, handed over in backward
         self.skipped_batches = 0
         self._consecutive_skips = 0
@@ -466,13 +477,15 @@ class BFPPStrategy(ModelParallelStrategy):
         params = [p for p in module.parameters() if p.requires_grad]
         train_metrics = getattr(module, "pipeline_train_metrics", None)
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
+        self.measured_step = measure = self._measure_now(module.trainer)
         with self._handover.capture(params):
             with self.precision_plugin.train_step_context():
-                loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics))
+                loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics), measure=measure)
             if self.tied:
                 self.tied.sum_gradients()
         loss = share_from_ranks(loss, self.data_parallel, self.root_device)
-        self._update_stats(params)
+        if measure:
+            self._update_stats(params)
         module.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(inputs))
         if callable(train_metrics):
             with torch.no_grad():
@@ -560,6 +573,13 @@ class BFPPStrategy(ModelParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """What the user's predict_step returns, on every rank (shared over the pipeline group)."""
         return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _measure_now(self, trainer) -> bool:
+        """Whether this training step is measured (the same answer on every rank: the gather is collective)."""
+        n = trainer.log_every_n_steps if self.measure_every_n_steps is None else self.measure_every_n_steps
+        step = trainer.global_step + 1  # Lightning's count: its logging steps are those where this is a multiple of n
+        last = self.measure_every_n_steps is None and 0 < trainer.max_steps <= step
+        return bool(n) and (step % n == 0 or last)
 
     def _update_stats(self, params: list[torch.nn.Parameter]) -> None:
         """Per-step measurements, identical on every rank: the max over ranks of each number (bubble, times,

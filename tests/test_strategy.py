@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch import Trainer
@@ -36,6 +37,20 @@ def test_string_name_registers_the_strategy():
 def test_bad_settings_fail_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
         BFPPStrategy(**kwargs)
+
+
+def test_measurement_runs_on_logging_steps_every_n_steps_or_never():
+    def measured(strategy, log_every=5, max_steps=12):
+        return [g for g in range(12)
+                if strategy._measure_now(SimpleNamespace(log_every_n_steps=log_every, global_step=g, max_steps=max_steps))]
+
+    assert measured(BFPPStrategy()) == [4, 9, 11]  # Lightning's logging steps and the last step
+    assert measured(BFPPStrategy(), max_steps=-1) == [4, 9]
+    assert measured(BFPPStrategy(measure_every_n_steps=3)) == [2, 5, 8, 11]
+    assert measured(BFPPStrategy(measure_every_n_steps=0)) == []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"measure_every_n_steps={bad!r} must be None"):
+            BFPPStrategy(measure_every_n_steps=bad)
 
 
 def test_world_size_not_divisible_fails_before_launch():

@@ -12,16 +12,19 @@ from torch import nn
 
 
 class Timeline:
-    """Wraps PipelineStage compute calls and records (kind, stage, micro_batch, start, end)."""
+    """Wraps PipelineStage compute calls and records (kind, stage, micro_batch, start, end) while `enabled`."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, int, int, float, float]] = []
+        self.enabled = True
 
     def attach(self, stage) -> None:
         for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
             inner = getattr(stage, name)
 
             def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
+                if not self.enabled:
+                    return _inner(mb, *args, **kwargs)
                 t0 = time.perf_counter()
                 try:
                     return _inner(mb, *args, **kwargs)

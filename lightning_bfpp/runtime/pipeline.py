@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -93,19 +94,23 @@ class PipelineRunner:
         start = time.perf_counter()
         if mode == "train":
             batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
-            with self.meter.track(exclude=batch):
+            with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext():
                 out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs)
         else:
             out = runtime.step(*args)
         self.last_stats = self.timeline.stats(start, time.perf_counter())
         return out, losses
 
-    def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[torch.Tensor | None, Any]:
+    def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False,
+                   measure: bool = True) -> tuple[torch.Tensor | None, Any]:
         """Forward and backward of all micro-batches; leaves reduced, 1/m-scaled grads in `.grad`.
 
         Returns the mean micro-batch loss on the rank holding the last stage (else None) and, with
         `keep_outputs`, the last stage's outputs of all micro-batches concatenated (detached; else None).
+        `measure`: record this step's compute timeline (`last_stats`) and saved-activation peak (`meter.peak`);
+        off, neither the timing wrappers nor the saved-tensor hook do any work.
         """
+        self.timeline.enabled = measure
         self.meter.peak = self.meter.current
         out, losses = self._run("train", inputs, target, keep_outputs)
         if self.replicate_group is not None:

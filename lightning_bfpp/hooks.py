@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .layer_io import LayerCall, compute_side_inputs, side_inputs_of
+
 
 class PipelineHooks:
     """Mixin describing how bfpp cuts a LightningModule into pipeline stages.
@@ -20,7 +22,12 @@ class PipelineHooks:
         (mean-reduced, like ``F.cross_entropy``).
 
     Optional:
-        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``.
+        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``. ``inputs``
+        (a tensor or a flat tuple of tensors) are the first layer's arguments.
+        ``pipeline_side_inputs(inputs)``: a dict of values every layer may need besides its input (position ids,
+        rotary cos/sin, an attention mask), computed once per micro-batch on every stage from that micro-batch's
+        ``inputs``; each layer whose ``forward`` takes a keyword of that name (or ``**kwargs``) receives it, so
+        layers such as Hugging Face decoder layers are listed as they are. Nothing of it crosses stages.
         ``pipeline_train_metrics(output, target)``: called once per training step on the rank(s) holding the last
         stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
         with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
@@ -40,11 +47,19 @@ class PipelineHooks:
         inputs, target = batch
         return inputs, target
 
+    def pipeline_side_inputs(self, inputs: Any) -> dict[str, Any]:
+        return {}
+
     def pipeline_forward(self, inputs: Any) -> Any:
-        """Run all layers in order — the unpipelined forward, for use in ``forward``/``training_step``."""
-        for layer in self.pipeline_layers():
-            inputs = layer(*inputs) if isinstance(inputs, tuple) else layer(inputs)
-        return inputs
+        """Run all layers in order — the unpipelined forward, for use in ``forward``/``training_step`` (side
+        inputs computed once and passed as under bfpp)."""
+        fn = side_inputs_of(self)
+        side = compute_side_inputs(fn, inputs) if fn is not None else None
+        out = inputs
+        for i, layer in enumerate(self.pipeline_layers()):
+            args, kwargs = LayerCall(layer, f"pipeline_layers()[{i}]").arguments(out, side)
+            out = layer(*args, **kwargs)
+        return out
 
 
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")

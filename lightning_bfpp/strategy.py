@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
-from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +32,7 @@ from .hooks import check_hooks
 from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
 from .parallel import (DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
                        stage_mixed_precision)
-from .partition import check_layout, plan_stages, split_stages
+from .partition import check_layout, named_parts, plan_stages, split_stages
 from .resume import skip_consumed_batches
 from .runtime.instrument import MEMORY_KEYS, gather_stats, local_bytes, optimizer_bytes
 from .runtime.pipeline import PipelineRunner, _batch_size
@@ -374,6 +373,7 @@ class BFPPStrategy(ModelParallelStrategy):
     def _build_pipeline(self, module) -> PipelineRunner:
         pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
         layers = list(module.pipeline_layers())
+        parts = named_parts(module, layers)  # every layer's modules by their names in `module`, before the split
         modules, self.stage_layer_names = split_stages(
             module,
             layers,
@@ -383,7 +383,7 @@ class BFPPStrategy(ModelParallelStrategy):
             self.stage_layers,
         )
         # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded
-        shared = find_shared_weights(dict(zip(chain(*self.stage_layer_names), layers)), self.stage_layer_names)
+        shared = find_shared_weights(parts, self.stage_layer_names)
         self.tied = TiedWeights(module, shared, modules, self.spec.stage_rank, dp_mesh.size(), self.global_rank, self._timeout)
         _materialize_distributed_module(module, self.root_device)  # only local layers remain
         self.model = self.precision_plugin.convert_module(self.model)

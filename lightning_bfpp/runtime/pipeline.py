@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Schedule, build_schedule
+from ..layer_io import BOUNDARY_RULE
+from ..partition import input_kwargs
 from .instrument import SavedActivationMeter, Timeline
 from .torch_bridge import build_runtime
 
@@ -92,12 +94,19 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         self.timeline.events.clear()
         start = time.perf_counter()
-        if mode == "train":
-            batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
-            with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext():
-                out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs)
-        else:
-            out = runtime.step(*args)
+        # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
+        side = input_kwargs(inputs) if any(getattr(m, "_side_inputs", None) for m in self.modules.values()) else {}
+        try:
+            if mode == "train":
+                batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
+                with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext():
+                    out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs, **side)
+            else:
+                out = runtime.step(*args, **side)
+        except Exception as error:
+            if type(error).__name__ == "PipeliningMetadataError":  # torch's check of what crosses stages
+                error.add_note(f"bfpp: the first stage's arguments are pipeline_inputs(batch)[0]; {BOUNDARY_RULE}.")
+            raise
         self.last_stats = self.timeline.stats(start, time.perf_counter())
         return out, losses
 

@@ -1,0 +1,96 @@
+"""Train tiny random-init Hugging Face causal LMs (lightning_bfpp.hf.CausalLM) under strategy=bfpp, several
+layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
+
+Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
+Config keys: family (gpt2|llama), tie (tied embeddings; default: the family's own), attn (sdpa|eager), pp, loops, m,
+steps, batch (global), precision, ac (activation_checkpointing), save (checkpoint folder written after fit).
+Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.hf import CausalLM
+
+VOCAB, SEQ, WIDTH, SAMPLES, LR = 64, 16, 32, 64, 0.5
+
+
+def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int = 0):
+    """A tiny random-init model, built locally (2 layers, width 32, vocab 64, no dropout)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                      tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                   tie_word_embeddings=False if tie is None else tie, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def dataset() -> TensorDataset:
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])  # (input_ids, next tokens)
+
+
+def lightning_batches(global_batch: int, data_parallel: int):
+    """The global batches Lightning's training sampler (shuffled, seed 0) yields, replicas concatenated."""
+    ds = dataset()
+    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0)) for r in range(data_parallel)]
+    b = global_batch // data_parallel
+    for t in range(len(per_rank[0]) // b):
+        idx = [i for r in range(data_parallel) for i in per_rank[r][t * b : (t + 1) * b]]
+        yield ds.tensors[0][idx], ds.tensors[1][idx]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+class Losses(Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def run(cfg: dict, devices: int, out: Path) -> None:
+    model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa")), optimizer=sgd)
+    strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2), micro_batches=cfg.get("m", 2),
+                            activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120))
+    record = Losses()
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
+                      precision=cfg.get("precision", "32-true"), logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
+    per_replica = cfg.get("batch", 8) // (devices // cfg.get("pp", 2))
+    trainer.fit(model, DataLoader(dataset(), batch_size=per_replica, drop_last=True))
+    if cfg.get("save"):
+        trainer.save_checkpoint(cfg["save"])
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"params": params, "losses": record.losses}, out / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    for i, cfg in enumerate(configs):
+        run(cfg, devices, out / f"cfg{i}")
+
+
+if __name__ == "__main__":
+    main()

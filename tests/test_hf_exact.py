@@ -1,0 +1,96 @@
+"""Hugging Face GPT-2 and Llama (tiny, random init) under bfpp equal the plain HF model trained in one process,
+and the exported checkpoint loads into the plain HF class with strict=True (no key map)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
+
+from launch import ROOT, clean_env  # noqa: E402
+from run_hf_exact import LR, hf_model, lightning_batches  # noqa: E402
+
+from lightning_bfpp.checkpoint import main as checkpoint_cli  # noqa: E402
+from lightning_bfpp.procenv import free_port  # noqa: E402
+
+TOL = 1e-6
+STEPS, BATCH = 3, 8
+# pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
+CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True}, {"family": "gpt2", "attn": "eager"}]
+RUNS = {2: CONFIGS[:2], 4: CONFIGS}  # devices 2: data parallel 1; devices 4: data parallel 2
+
+
+def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa"):
+    """The unmodified HF model, its own forward, the same cross-entropy, SGD on Lightning's data order."""
+    model = hf_model(family, tie, attn)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = lightning_batches(BATCH, data_parallel)
+    losses = []
+    for _ in range(STEPS):
+        x, y = next(data)
+        loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache = {}
+
+    def get(devices: int):
+        if devices not in cache:
+            out = tmp_path_factory.mktemp(f"hf{devices}")
+            configs = [dict(c) for c in RUNS[devices]]
+            if devices == 4:
+                configs[0]["save"] = str(out / "ckpt")
+            cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), str(devices), json.dumps(configs)]
+            res = subprocess.run(cmd, env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT, capture_output=True,
+                                 text=True, timeout=400)
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+            cache[devices] = out, [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(devices)]
+                                   for i in range(len(configs))]
+        return cache[devices]
+
+    return get
+
+
+@pytest.mark.parametrize("devices, index", [(d, i) for d in (2, 4) for i in range(len(RUNS[d]))],
+                         ids=[f"dp{d // 2}-" + "-".join(f"{v}" for v in c.values()) for d in (2, 4) for c in RUNS[d]])
+def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
+    cfg = RUNS[devices][index]
+    _, results = runs(devices)
+    model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"))
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    got = {}
+    for rank in results[index]:
+        got.update(rank["params"])
+    assert set(got) == set(model.state_dict())  # the HF model's own names, tied copies included
+    worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
+    assert worst <= TOL, f"max |bfpp - one process| = {worst:.3g}"
+    last_stage = results[index][-1]["losses"]  # every rank logs the shared loss
+    assert last_stage == pytest.approx(losses, abs=1e-5)
+
+
+def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
+    out, results = runs(4)
+    checkpoint_cli([str(out / "ckpt"), str(tmp_path / "gpt2.pt")])  # python -m lightning_bfpp.checkpoint FOLDER FILE
+    state = torch.load(tmp_path / "gpt2.pt", weights_only=True)["state_dict"]
+    model = hf_model("gpt2", seed=1)  # different weights before loading
+    model.load_state_dict(state, strict=True)  # no key map
+    trained, _ = reference("gpt2", 2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied after loading
+    model.save_pretrained(tmp_path / "hf")
+    again = type(model).from_pretrained(tmp_path / "hf")
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n

@@ -4,7 +4,8 @@ Usage (the benchmark modules call it through benchmarks/common.py:launch):
     python benchmarks/worker.py OUT_DIR DEVICES        # reads OUT_DIR/jobs.json
 
 Job kinds (each a dict with "kind", "model" (conf/model name), "batch" (global), "steps", ...):
-  bfpp    Trainer(strategy=BFPPStrategy(pp, loops, m, schedule, sharding, measure_every_n_steps=measure))
+  bfpp    Trainer(strategy=BFPPStrategy(pp, loops, m, schedule, sharding, measure_every_n_steps=measure));
+          "grad_sync": "per_parameter" replaces sharding="none"'s bucketed reduction by the earlier per-parameter one
   raw     the same stages and micro-batches under torch.distributed.pipelining's public schedule class
           (ScheduleLoopedBFS / ScheduleInterleaved1F1B / ScheduleGPipe / Schedule1F1B) and a plain
           AdamW + LambdaLR loop — what a torch user writes by hand
@@ -107,6 +108,28 @@ class Probe(Callback):
                 "stats": self.stats, "memory": self.memory}
 
 
+class PerParameterGradSync(Callback):
+    """For comparison (job "grad_sync": "per_parameter"): sharding="none" as before the bucketed reduction - one
+    blocking all-reduce per parameter after the whole schedule, no overlap with backward."""
+
+    def on_train_start(self, trainer, pl_module):
+        runner = trainer.strategy.runner
+        if runner.grad_sync is None:
+            return
+        runner.grad_sync, group, inner = None, runner.replicate_group, runner.train_step
+
+        def train_step(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            for mod in runner.modules.values():
+                for p in mod.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=group)
+                        p.grad.div_(dist.get_world_size(group))
+            return out
+
+        runner.train_step = train_step
+
+
 def strategy_for(job: dict):
     kind = job["kind"]
     if kind == "bfpp":
@@ -142,7 +165,7 @@ def run_lightning(job: dict, devices: int) -> dict:
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy_for(job), max_steps=job["steps"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[probe],
+        num_sanity_val_steps=0, callbacks=[probe] + ([PerParameterGradSync()] if job.get("grad_sync") == "per_parameter" else []),
     )
     trainer.fit(model, train_dataloaders=loader(cfg.block_size, per_replica))
     return probe.result()

@@ -15,6 +15,7 @@ from torch import nn
 from ..schedule import Schedule, build_schedule
 from ..layer_io import BOUNDARY_RULE
 from ..partition import input_kwargs
+from .grad_sync import BucketedAllReduce
 from .instrument import SavedActivationMeter, Timeline
 from .torch_bridge import build_runtime
 
@@ -57,6 +58,8 @@ class PipelineRunner:
         self.pp_group = pp_group
         self.loss_fn = loss_fn
         self.replicate_group = replicate_group  # data-parallel group when grads are all-reduced, not sharded
+        # replicated stages: each stage's gradients all-reduced (bucketed, async) from its REDUCE_GRAD action on
+        self.grad_sync = BucketedAllReduce(replicate_group) if replicate_group is not None else None
         self.schedules: dict[str, Schedule] = {"train": schedule}
         self.schedules["forward"] = build_schedule(dataclasses.replace(spec, forward_only=True))
         self._runtimes: dict[tuple, tuple[Any, list]] = {}
@@ -76,6 +79,8 @@ class PipelineRunner:
             runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
             for stage in stages:
                 self.timeline.attach(stage)
+                if self.grad_sync is not None and mode == "train":
+                    self.grad_sync.attach(stage)
             self._runtimes[key] = (runtime, stages)
         return self._runtimes[key][0]
 
@@ -122,12 +127,8 @@ class PipelineRunner:
         self.timeline.enabled = measure
         self.meter.peak = self.meter.current
         out, losses = self._run("train", inputs, target, keep_outputs)
-        if self.replicate_group is not None:
-            for mod in self.modules.values():
-                for p in mod.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=self.replicate_group)  # gloo has no AVG
-                        p.grad.div_(dist.get_world_size(self.replicate_group))
+        if self.grad_sync is not None:
+            self.grad_sync.wait()
         loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
         return loss, _detach(out) if keep_outputs else None
 

@@ -14,7 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from lightning_bfpp.schedule import ScheduleError, ScheduleSpec
-from lightning_bfpp.schedule.draw import draw_schedule
+from lightning_bfpp.sim.draw import draw_schedule
 
 
 def spec_from_cfg(s: DictConfig) -> ScheduleSpec:

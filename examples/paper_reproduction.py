@@ -138,7 +138,7 @@ def sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
 
 
 def gantt(model: Model, cluster: Cluster, plan, path: Path) -> None:
-    from lightning_bfpp.schedule.draw import draw_schedule
+    from lightning_bfpp.sim.draw import draw_schedule
 
     c = plan.candidate
     result = simulate_candidate(model, cluster, c, timeline=True)

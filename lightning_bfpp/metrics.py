@@ -110,11 +110,8 @@ class PipelineMetrics(Callback):
         schedule = getattr(trainer.strategy, "schedule", None)
         if not (self.log_schedule and schedule is not None and trainer.is_global_zero):
             return
-        try:
-            from lightning_bfpp.schedule.draw import draw_schedule
-        except ImportError:
-            log.info("lightning_bfpp.schedule.draw is not available: no schedule picture")
-            return
+        from lightning_bfpp.sim.draw import draw_schedule
+
         if self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from lightning_bfpp.schedule import ScheduleSpec
-from lightning_bfpp.schedule.draw import draw_schedule
+from lightning_bfpp.sim.draw import draw_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,11 +7,13 @@
 0.25
 """
 
-from .cost import Cluster, Costs, LayerTimes, Model, StageCost, build_costs, ring_time, unit_costs
+from .cost import Cluster, Costs, LayerTimes, StageCost, build_costs, ring_time, unit_costs
+from .draw import draw_schedule
 from .memory import MemoryReport, memory_report
+from .model import Layers, Model
 from .simulate import MEGATRON, Event, SimOptions, SimResult, evaluate, simulate
 
 __all__ = [
-    "Cluster", "Costs", "LayerTimes", "Model", "StageCost", "build_costs", "ring_time", "unit_costs", "MemoryReport",
-    "memory_report", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
+    "Cluster", "Costs", "LayerTimes", "Layers", "Model", "StageCost", "build_costs", "ring_time", "unit_costs", "MemoryReport",
+    "memory_report", "draw_schedule", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
 ]

@@ -1,5 +1,5 @@
 # Scope: analytic costs of one training step's pieces — per-stage compute time, FSDP collective time,
-# pipeline p2p time, parameter and activation bytes — from the Hydra `model` and `cluster` dicts.
+# pipeline p2p time, parameter and activation bytes — from a model's `Layers` and the Hydra `cluster` dict.
 # No schedule logic here: `simulate.py` plays a schedule's action lists against these numbers.
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from ..schedule.layout import balanced_layout
+from .model import ACT_BYTES, Layers, Model
+
 # Bytes per parameter (mixed precision, Adam): fp32 master (4) + fp32 grad (4) + Adam m, v (8) held per
 # rank (divided by dp under full sharding), plus bf16 compute weights (2) while a stage is gathered and a
 # bf16 unsharded gradient (2) from a stage's first backward until its reduction.
 STATE_BYTES = 16
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
-ACT_BYTES = 2  # bf16 activations and p2p messages
 
 
 @dataclass(frozen=True)
@@ -94,67 +96,9 @@ class Cluster:
         return self.inter_bw
 
 
-@dataclass(frozen=True)
-class Model:
-    """Transformer shape from a `conf/model/*.yaml` dict (GPT: embedding, n_layer blocks, untied head)."""
-
-    n_layer: int
-    n_head: int
-    n_embd: int
-    seq: int
-    vocab: int
-    checkpointing: bool = False
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping) -> Model:
-        return cls(int(cfg["n_layer"]), int(cfg["n_head"]), int(cfg["n_embd"]), int(cfg["block_size"]),
-                   int(cfg["vocab_size"]), bool(cfg.get("activation_checkpointing", False)))
-
-    # Layers in pipeline order, as examples/gpt.py's pipeline_layers(): [embedding, *blocks, head].
-    @property
-    def num_layers(self) -> int:
-        return self.n_layer + 2
-
-    def layer_params(self) -> list[int]:
-        h = self.n_embd
-        block = 12 * h * h + 13 * h  # qkv + proj + 4h MLP (with biases) + 2 layer norms
-        return [self.vocab * h + self.seq * h] + [block] * self.n_layer + [self.vocab * h + 2 * h]
-
-    def layer_forward_flops(self) -> list[float]:
-        """Forward FLOPs per token per layer: 2 x params for matmuls, plus 4*seq*h for attention scores
-        and values (non-causal count, as Megatron's formula); the embedding lookup is free."""
-        h, s = self.n_embd, self.seq
-        block = 2 * (12 * h * h) + 4 * s * h
-        return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h]
-
-    def layer_activation_bytes(self, micro_batch_size: int) -> list[float]:
-        """Saved activations per micro-batch (Korthikanti et al. 2022, bf16, no tensor parallel):
-        s*b*h*(34 + 5*a*s/h) per block, or its input only (2*s*b*h) with activation checkpointing;
-        the head keeps bf16 + fp32 logits."""
-        h, s, a, b = self.n_embd, self.seq, self.n_head, micro_batch_size
-        block = 2 * s * b * h if self.checkpointing else s * b * h * (34 + 5 * a * s / h)
-        return [float(ACT_BYTES * s * b * h)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
-
-    def layer_times(self, cluster: Cluster, micro_batch_size: int) -> list[tuple[float, float]] | None:
-        """Measured (forward, backward) seconds per layer from `cluster.layer_times` when they were taken on
-        a model of this shape, scaled linearly from the calibrated micro-batch size; else None."""
-        lt = cluster.layer_times
-        if lt is None or lt.shape != (self.n_head, self.n_embd, self.seq, self.vocab):
-            return None
-        k = micro_batch_size / lt.micro_batch_size
-        scale = lambda fb: (fb[0] * k, fb[1] * k)  # noqa: E731
-        return [scale(lt.embedding)] + [scale(lt.block)] * self.n_layer + [scale(lt.head)]
-
-    def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward + backward, no recompute): for MFU/tokens-per-second."""
-        return 3.0 * sum(self.layer_forward_flops())
-
-
 @lru_cache(maxsize=256)
-def _stage_layout(model: Model, num_stages: int) -> tuple[int, ...]:
-    from lightning_bfpp.partition import balanced_layout  # the runtime's own split: one source of truth
-
-    return tuple(balanced_layout(model.layer_params(), num_stages))
+def _stage_layout(params: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    return tuple(balanced_layout(params, num_stages))  # the runtime's own split: one source of truth
 
 
 @dataclass(frozen=True)
@@ -202,7 +146,7 @@ def ring_time(nbytes: float, group: int, bandwidth: float, latency: float) -> fl
 
 
 def build_costs(
-    model: Model,
+    model: Model | Layers,
     cluster: Cluster,
     *,
     pipeline_parallel: int,
@@ -214,7 +158,8 @@ def build_costs(
     stage_layers: Sequence[int] | None = None,
     activation_bytes: int = ACT_BYTES,
 ) -> Costs:
-    """Per-stage costs of `model` cut into pipeline_parallel*loops stages on a (pp, dp) mesh of `cluster`.
+    """Per-stage costs of `model` (its `Layers`, or a transformer `Model` that describes them) cut into
+    pipeline_parallel*loops stages on a (pp, dp) mesh of `cluster`.
 
     `activation_bytes`: bytes per element of the p2p activations/gradients (2: bf16, 4: a 32-true run).
     NOTE: ranks are laid out as (pp, dp) with dp innermost: global rank = p * dp + d, so a dp group is
@@ -224,17 +169,19 @@ def build_costs(
         raise ValueError(f"sharding={sharding!r} must be 'full' or 'none'.")
     pp, dp = pipeline_parallel, data_parallel
     num_stages = pp * loops
+    layers = model if isinstance(model, Layers) else model.layers(cluster)
     if stage_layers is None:
-        layout = _stage_layout(model, num_stages)
+        layout = _stage_layout(layers.params, num_stages)
     else:
         layout = tuple(stage_layers)
-        if len(layout) != num_stages or sum(layout) != model.num_layers or min(layout) < 1:
+        if len(layout) != num_stages or sum(layout) != len(layers) or min(layout) < 1:
             raise ValueError(f"stage_layers={list(layout)} must list {num_stages} positive counts summing to "
-                             f"{model.num_layers} (embedding + n_layer blocks + head).")
-    params, flops, acts = model.layer_params(), model.layer_forward_flops(), model.layer_activation_bytes(micro_batch_size)
-    tokens = micro_batch_size * model.seq
-    recompute = 1.0 if model.checkpointing else 0.0
-    measured = model.layer_times(cluster, micro_batch_size)
+                             f"the model's {len(layers)} layers.")
+    params, flops = layers.params, layers.forward_flops
+    acts = [a * micro_batch_size for a in layers.activation_bytes]
+    tokens = micro_batch_size * layers.seq
+    recompute = 1.0 if layers.recompute else 0.0
+    measured = [(f * micro_batch_size, b * micro_batch_size) for f, b in layers.times] if layers.times else None
     stages, start = [], 0
     for s, n in enumerate(layout):
         p = sum(params[start:start + n])
@@ -251,7 +198,7 @@ def build_costs(
         stages.append(StageCost(fwd + cluster.overhead, bwd + cluster.overhead, p, sum(acts[start:start + n]), gather,
                                 reduce, reduce_host=cluster.grad_scale * p))
         start += n
-    message = activation_bytes * tokens * model.n_embd
+    message = activation_bytes * tokens * layers.width
     p2p = {}
     for src in range(pp):
         for dst in {(src + 1) % pp, (src - 1) % pp} - {src}:
@@ -259,7 +206,7 @@ def build_costs(
             inter = any((src * dp + d) // cluster.devices != (dst * dp + d) // cluster.devices for d in range(dp))
             latency = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
             p2p[(src, dst)] = latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
-    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, model.flops_per_token(),
+    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
                  cluster.step_overhead)
 
 

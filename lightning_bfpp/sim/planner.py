@@ -12,7 +12,8 @@ from lightning_bfpp.schedule import (
     SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
 )
 
-from .cost import GRAD_BYTES, STATE_BYTES, WEIGHT_BYTES, Cluster, Costs, Model, build_costs
+from .cost import GRAD_BYTES, STATE_BYTES, WEIGHT_BYTES, Cluster, Costs, build_costs
+from .model import Model
 from .simulate import SimOptions, SimResult, evaluate, simulate
 
 DEFAULT_LOOPS = (1, 2, 3, 4, 6, 8, 16)

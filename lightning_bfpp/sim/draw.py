@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .actions import ScheduleSpec
+from ..schedule import ScheduleSpec, build_schedule
+from .cost import unit_costs
+from .simulate import SimOptions, SimResult, evaluate
 
 
 def draw_schedule(spec_or_timeline, path: str | Path, *, costs=None, options=None, title: str | None = None,
@@ -19,9 +21,6 @@ def draw_schedule(spec_or_timeline, path: str | Path, *, costs=None, options=Non
         path: output PNG file.
         costs: a `sim.Costs` for the spec (e.g. from `sim.build_costs`); `options`: `sim.SimOptions`.
     """
-    from lightning_bfpp.schedule import build_schedule
-    from lightning_bfpp.sim import SimOptions, SimResult, evaluate, unit_costs
-
     stats = ""
     if isinstance(spec_or_timeline, ScheduleSpec):
         spec = spec_or_timeline

@@ -43,7 +43,7 @@ def main() -> None:
                     times.append(stopped.gone_s)
                     reasons = sorted({why for _, why in STOPPED.findall(stopped.output)})
                     print(f"{name} to {target} ({launcher}, try {i + 1}): every process gone after {stopped.gone_s:.1f} s, "
-                          f"exit {stopped.code}, newest checkpoint step={step} complete; reasons printed: {reasons}",
+                          f"exit {stopped.codes}, newest checkpoint step={step} complete; reasons printed: {reasons}",
                           flush=True)
                 print(f"== {name} to {target} ({launcher}): {min(times):.1f}-{max(times):.1f} s over {len(times)} tries",
                       flush=True)

@@ -126,7 +126,7 @@ class Watchdog:
 
     @property
     def watching(self) -> bool:
-        return self._thread is not None and not self._stop.is_set()
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def claim_signals(self) -> None:
         """(Re)install this watchdog's handlers for its signals, e.g. after Lightning installed its own SIGTERM

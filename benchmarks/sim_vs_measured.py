@@ -137,7 +137,7 @@ def predicted_step(cluster_cfg: dict, model_cfg: dict, cfg: dict) -> dict:
                         loops=cfg["loops"], data_parallel=cfg["devices"] // cfg["pp"],
                         micro_batch_size=cfg["micro_batch_size"], micro_batches=cfg["micro_batches"],
                         activation_bytes=4)  # 32-true run: fp32 activations on the wire
-    r = evaluate(build_schedule(ScheduleSpec(cfg["schedule"], cfg["pp"], cfg["loops"], cfg["micro_batches"])), costs)
+    r = evaluate(build_schedule(ScheduleSpec(cfg["schedule"], pipeline_parallel=cfg["pp"], loops=cfg["loops"], micro_batches=cfg["micro_batches"])), costs)
     return {"step_s": r.step_time, "compute_s": max(r.busy), "bubble": r.bubble, "pipeline_bubble": r.pipeline_bubble,
             "stage_forward_s": [s.forward for s in costs.stages], "stage_backward_s": [s.backward for s in costs.stages]}
 

@@ -194,7 +194,8 @@ def run_raw(job: dict, devices: int) -> dict:
     torch.manual_seed(0)
     cfg, optim = GPTConfig(**model_config(job["model"])), OptimConfig()
     model = GPT(cfg, optim)
-    spec = ScheduleSpec(job.get("schedule", "breadth_first"), job["pp"], job.get("loops", 1), job["m"])
+    spec = ScheduleSpec(job.get("schedule", "breadth_first"), pipeline_parallel=job["pp"], loops=job.get("loops", 1),
+                        micro_batches=job["m"])
     rank = dist.get_rank()
     modules, _ = split_stages(model, model.pipeline_layers(), spec.num_stages, spec.local_stages(rank), spec.stage_rank)
     stages = [PipelineStage(mod, s, spec.num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]

@@ -18,8 +18,9 @@ from lightning_bfpp.sim.draw import draw_schedule
 
 
 def spec_from_cfg(s: DictConfig) -> ScheduleSpec:
-    return ScheduleSpec(str(s.name), int(s.pipeline_parallel), int(s.loops), int(s.micro_batches), int(s.groups),
-                        bool(s.reshard_after_forward))
+    return ScheduleSpec(str(s.name), pipeline_parallel=int(s.pipeline_parallel), loops=int(s.loops),
+                        micro_batches=int(s.micro_batches), groups=int(s.groups),
+                        reshard_after_forward=bool(s.reshard_after_forward))
 
 
 @hydra.main(config_path="../conf", config_name="draw", version_base="1.3")

@@ -100,7 +100,7 @@ def test_step_overhead_adds_once_per_step():
     cfg = yaml.safe_load((ROOT / "conf" / "cluster" / "cpu_2.yaml").read_text())
     model = Model.from_dict(MODEL)
     kwargs = dict(pipeline_parallel=2, loops=2, data_parallel=1, micro_batch_size=4, micro_batches=4)
-    sched = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4))
+    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4))
     plain = simulate(sched, build_costs(model, Cluster.from_dict(cfg), **kwargs)).step_time
     more = simulate(sched, build_costs(model, Cluster.from_dict({**cfg, "step_overhead": 0.01}), **kwargs)).step_time
     assert more - plain == pytest.approx(0.01)
@@ -112,7 +112,7 @@ def test_gradient_scaling_is_host_time_at_reduce_grad():
     kwargs = dict(pipeline_parallel=2, loops=1, data_parallel=1, micro_batch_size=4, micro_batches=4)
     plain = build_costs(model, Cluster.from_dict(cfg), **kwargs)
     scaled = build_costs(model, Cluster.from_dict({**cfg, "grad_scale_time_per_param": 1e-8}), **kwargs)
-    sched = build_schedule(ScheduleSpec("gpipe", 2, 1, 4))
+    sched = build_schedule(ScheduleSpec("gpipe", pipeline_parallel=2, loops=1, micro_batches=4))
     extra = simulate(sched, scaled).step_time - simulate(sched, plain).step_time
     # rank 0 scales its stage's gradients after its last backward, the last action of the step
     assert extra == pytest.approx(1e-8 * scaled.stages[0].params, rel=1e-6)

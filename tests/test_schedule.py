@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 
@@ -23,7 +24,7 @@ def _legal(spec: ScheduleSpec) -> bool:
 def test_every_legal_combination_validates_and_illegal_ones_are_rejected():
     built = rejected = 0
     for name, pp, loops, m in itertools.product(SCHEDULES, range(1, 9), range(1, 5), range(1, 17)):
-        spec = ScheduleSpec(name, pp, loops, m)
+        spec = ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m)
         looped_ok = name in ("breadth_first", "depth_first") or loops == 1
         expected = looped_ok and not (loops > 1 and (m < pp if name == "breadth_first" else False)) and not (
             name == "depth_first" and loops > 1 and m % pp
@@ -42,10 +43,27 @@ def test_every_legal_combination_validates_and_illegal_ones_are_rejected():
 
 @pytest.mark.parametrize("variant", [{"reshard_after_forward": True}, {"forward_only": True}, {"groups": 2}])
 def test_variants_validate_over_a_grid(variant):
+    """Each variant builds and validates; every rank runs each local (stage, micro-batch) forward and backward
+    once and reduces each local stage once (none of it when forward-only); resharding and groups gather more."""
+    def gathers(sched: Schedule) -> int:
+        return sum(a.op == Op.UNSHARD for actions in sched.actions.values() for a in actions)
+
+    built = more_gathers = 0
     for pp, loops, m in itertools.product(range(1, 6), range(1, 4), range(2, 13, 2)):
-        spec = ScheduleSpec("breadth_first", pp, loops, m, **variant)
-        if _legal(spec):
-            build_schedule(spec)
+        spec = ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m, **variant)
+        if not _legal(spec):
+            continue
+        sched, plain = build_schedule(spec), build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops,
+                                                                           micro_batches=m))
+        built += 1
+        trained = 0 if spec.forward_only else 1
+        for rank in range(pp):
+            ops = Counter(a.op for a in sched.actions[rank])
+            assert (ops[Op.FORWARD], ops[Op.BACKWARD], ops[Op.REDUCE_GRAD]) == (loops * m, trained * loops * m, trained * loops)
+        assert gathers(sched) >= gathers(plain)
+        more_gathers += gathers(sched) > gathers(plain)
+    assert built >= 70
+    assert (more_gathers > 0) == (not spec.forward_only)
 
 
 @pytest.mark.parametrize(
@@ -75,10 +93,10 @@ def test_breadth_first_golden_lowering():
 
 
 def test_breadth_first_is_earliest_stage_first_depth_first_earliest_micro_batch_first():
-    bf = compute_order(ScheduleSpec("breadth_first", 2, 2, 4))[0]
+    bf = compute_order(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4))[0]
     fwd = [(a.stage, a.micro_batch) for a in bf if a.op == Op.FORWARD]
     assert fwd == [(0, 0), (0, 1), (0, 2), (0, 3), (2, 0), (2, 1), (2, 2), (2, 3)]
-    df = compute_order(ScheduleSpec("depth_first", 2, 2, 4))[0]
+    df = compute_order(ScheduleSpec("depth_first", pipeline_parallel=2, loops=2, micro_batches=4))[0]
     fwd = [(a.stage, a.micro_batch) for a in df if a.op == Op.FORWARD]
     assert fwd == [(0, 0), (0, 1), (2, 0), (2, 1), (0, 2), (0, 3), (2, 2), (2, 3)]
 
@@ -106,8 +124,8 @@ def test_breadth_first_fsdp_points_follow_the_paper():
 def test_reshard_after_forward_and_groups_multiply_gathers():
     base = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     keep = build_schedule(base)
-    reshard = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4, reshard_after_forward=True))
-    groups = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4, groups=2))
+    reshard = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4, reshard_after_forward=True))
+    groups = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4, groups=2))
     for rank in range(2):
         first, last = base.local_stages(rank)
         assert len(_fsdp(keep, rank, Op.UNSHARD)) == 2
@@ -127,7 +145,7 @@ def _swap(sched: Schedule, rank: int, a: Action, b: Action) -> Schedule:
 
 
 def test_validator_catches_misordered_receives_deadlocks_and_missing_gathers():
-    sched = build_schedule(ScheduleSpec("breadth_first", 2, 2, 2))
+    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2))
     with pytest.raises(ScheduleError, match="sender's order"):
         validate(_swap(sched, 1, Action(1, Op.RECV_F, 0), Action(1, Op.RECV_F, 1)))
     with pytest.raises(ScheduleError, match="deadlocks"):  # rank 1 waits for stage-2 output before sending stage 1's
@@ -141,7 +159,7 @@ def test_validator_catches_misordered_receives_deadlocks_and_missing_gathers():
 
 
 def test_lowered_lists_pair_every_send_with_a_receive():
-    spec = ScheduleSpec("depth_first", 4, 2, 8)
+    spec = ScheduleSpec("depth_first", pipeline_parallel=4, loops=2, micro_batches=8)
     acts = lower(spec, compute_order(spec))
     sends = sum(a.op in (Op.SEND_F, Op.SEND_B) for r in acts.values() for a in r)
     recvs = sum(a.op in (Op.RECV_F, Op.RECV_B) for r in acts.values() for a in r)

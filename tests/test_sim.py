@@ -26,7 +26,7 @@ def test_bubble_closed_form(name):
     """Free comm, uniform stages: bubble = (pp-1)/(loops*m) exactly, also with F:B = 1:2 or 1:1."""
     checked = 0
     for n, pp, loops, m in GRID:
-        if n != name or (sched := _legal(ScheduleSpec(n, pp, loops, m))) is None:
+        if n != name or (sched := _legal(ScheduleSpec(n, pipeline_parallel=pp, loops=loops, micro_batches=m))) is None:
             continue
         for backward in (1.0, 2.0):
             r = simulate(sched, unit_costs(pp * loops, pp, backward=backward))
@@ -39,13 +39,13 @@ def test_bubble_closed_form(name):
 def test_bubble_breadth_first_groups():
     """Each group is one breadth-first pass: the bubble is paid once per group."""
     pp, loops, m, g = 2, 2, 8, 2
-    r = simulate(build_schedule(ScheduleSpec("breadth_first", pp, loops, m, g)), unit_costs(pp * loops, pp))
+    r = simulate(build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m, groups=g)), unit_costs(pp * loops, pp))
     assert r.bubble == pytest.approx(g * (pp - 1) / (loops * m))
 
 
 def test_prefetch_hides_all_gather_and_reduce_overlaps():
     """BF: only the first all-gather and the last reduce are exposed when comm is cheaper than a stage."""
-    spec = ScheduleSpec("breadth_first", 2, 2, 4)
+    spec = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     r = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5))
     assert r.exposed_comm == pytest.approx(1.0)
     blocking = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5), SimOptions(blocking_reduce=True))
@@ -53,7 +53,7 @@ def test_prefetch_hides_all_gather_and_reduce_overlaps():
 
 
 def test_megatron_like_waits_for_reduction_at_end():
-    spec = ScheduleSpec("depth_first", 2, 2, 4)
+    spec = ScheduleSpec("depth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     costs = unit_costs(4, 2, reduce=0.5, p2p=0.1, sharding="none")
     fsdp_like = simulate(build_schedule(spec), costs)
     megatron = simulate(build_schedule(spec), costs, MEGATRON)
@@ -66,7 +66,7 @@ def test_megatron_like_waits_for_reduction_at_end():
 
 
 def test_timeline_matches_action_lists():
-    sched = build_schedule(ScheduleSpec("breadth_first", 2, 2, 4, reshard_after_forward=True))
+    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4, reshard_after_forward=True))
     r = simulate(sched, unit_costs(4, 2, unshard=0.2, reduce=0.2))
     for rank in range(2):
         compute = [(e.stage, e.kind, e.micro_batch) for e in r.rank_timeline(rank) if e.kind in "FB"]
@@ -98,7 +98,7 @@ def _activation_peak(name, loops, groups=1, pp=4, m=16):
     cluster = Cluster(devices=8, num_nodes=1, flops=1e13, device_memory=8e10, intra_bw=1e11, inter_bw=1e10, latency=1e-5)
     costs = build_costs(model, cluster, pipeline_parallel=pp, loops=loops, data_parallel=2, micro_batch_size=1,
                         micro_batches=m)
-    r = simulate(build_schedule(ScheduleSpec(name, pp, loops, m, groups)), costs)
+    r = simulate(build_schedule(ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m, groups=groups)), costs)
     return max(mem.activations for mem in r.memory)
 
 
@@ -116,7 +116,7 @@ def test_memory_ordering():
 def test_sharding_divides_state_by_dp():
     model = Model(n_layer=4, n_head=4, n_embd=64, seq=32, vocab=256)
     cluster = Cluster(devices=8, num_nodes=1, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
-    sched = build_schedule(ScheduleSpec("1f1b", 2, 1, 4))
+    sched = build_schedule(ScheduleSpec("1f1b", pipeline_parallel=2, loops=1, micro_batches=4))
     static = {}
     for sharding in ("full", "none"):
         costs = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=1,
@@ -128,7 +128,7 @@ def test_sharding_divides_state_by_dp():
 def test_stuck_action_lists_raise():
     from lightning_bfpp.schedule import Action, Op, Schedule
 
-    spec = ScheduleSpec("gpipe", 2, 1, 1)
+    spec = ScheduleSpec("gpipe", pipeline_parallel=2, loops=1, micro_batches=1)
     actions = {  # rank 0 runs its backward before the forward that rank 1's gradient depends on
         0: [Action(0, Op.UNSHARD), Action(0, Op.RECV_B, 0), Action(0, Op.BACKWARD, 0), Action(0, Op.FORWARD, 0),
             Action(0, Op.SEND_F, 0), Action(0, Op.RESHARD)],

@@ -3,7 +3,7 @@
 # runtime all speak this one language.
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 
 SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
@@ -65,6 +65,7 @@ class ScheduleSpec:
     """
 
     name: str = "breadth_first"
+    _: KW_ONLY  # every knob but the name by keyword: ScheduleSpec("gpipe", pipeline_parallel=2, micro_batches=4)
     pipeline_parallel: int = 1
     loops: int = 1
     micro_batches: int = 1

@@ -34,8 +34,9 @@ class Candidate:
     reshard_after_forward: bool = False
 
     def spec(self) -> ScheduleSpec:
-        return ScheduleSpec(self.schedule, self.pipeline_parallel, self.loops, self.micro_batches, self.groups,
-                            self.reshard_after_forward)
+        return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
+                            micro_batches=self.micro_batches, groups=self.groups,
+                            reshard_after_forward=self.reshard_after_forward)
 
     def overrides(self, *, cluster: str | None = None, model: str | None = None, batch_size: int | None = None) -> list[str]:
         """Hydra overrides for examples/train.py."""

@@ -4,7 +4,7 @@
 # Data-parallel peers are symmetric, so only the pp ranks of one replica are simulated.
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_bfpp.schedule import Op, Schedule, ScheduleError
@@ -55,7 +55,6 @@ class SimResult:
     tokens_per_step: int  # per replica
     pipeline_bubble: float | None = None  # bubble of the same step with free communication
     comm_free_step_time: float | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def bubble(self) -> float:

@@ -172,7 +172,14 @@ class StageModule(nn.Module):
         out = args if len(args) != 1 else args[0]
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         order = ", ".join(c.name for c in self._calls)
-        for call in self._calls:
+        for i, call in enumerate(self._calls):
+            if isinstance(out, dict) and call.keywords is not None and not set(out) <= call.keywords:
+                raise TypeError(
+                    f"bfpp: layer {self._calls[i - 1].name if i else '(stage input)'} of stage {self.index} returned "
+                    f"dict ({describe_structure(out)}): a pipeline layer must return a tensor or a tuple of tensors (its next "
+                    f"layer's arguments), or a dict whose keys the next layer ({call.name}) takes as keywords "
+                    f"({', '.join(sorted(set(out) - call.keywords))} it does not)."
+                )
             inputs, kw = call.arguments(out, side)
             try:
                 # tensors passed as separate arguments: checkpoint saves them through autograd (so the

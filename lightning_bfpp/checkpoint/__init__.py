@@ -83,11 +83,16 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     files = hash_files(tmp, names[0])
     if _rank() == 0:
         write_manifest(tmp, files, meta.get("global_step"))
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+        # the old checkpoint steps aside (a rename) before the new one takes its name, and is deleted only then:
+        # a kill at any moment leaves a complete checkpoint, never a half-deleted one
+        old = path.parent / f".{path.name}.tmp-{token[0][:8]}-replaced"
+        if path.exists():
+            path.rename(old)
         tmp.rename(path)
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
         for stale in remove_stale_tmp(path.parent):
             rank_zero_info(f"removed {stale}: an interrupted save's partial checkpoint")
     _barrier()

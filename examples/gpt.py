@@ -61,9 +61,10 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head, self.dropout, self.checkpointing = cfg.n_head, cfg.dropout, cfg.activation_checkpointing
+        self.head_size, self.dropout, self.checkpointing = cfg.n_embd // cfg.n_head, cfg.dropout, cfg.activation_checkpointing
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        # separate query/key/value projections: tensor parallel splits each by heads (see GPT.pipeline_tp_plan)
+        self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(
@@ -72,11 +73,12 @@ class Block(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        h = self.ln_1(x)
+        # (B, nh, T, hs); under tensor parallel nh is this rank's heads (q/k/v hold n_head / tp heads' columns)
+        q, k, v = (f(h).view(B, T, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble heads: (B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # re-assemble heads: (B, T, nh * hs)
         x = x + self.resid_drop(self.proj(y))
         return x + self.mlp(self.ln_2(x))
 
@@ -136,6 +138,28 @@ class GPT(PipelineHooks, L.LightningModule):
     # ---- PipelineHooks: the contract bfpp cuts along ----
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
+
+    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int) -> dict | None:
+        """Megatron-style split of each block: q/k/v column-wise (n_head / tp heads per rank), proj row-wise (its
+        output all-reduced, replicated); MLP up column-wise, down row-wise. Untied, the token embedding is split by
+        vocabulary rows (lookups summed over the tp group) and the output head by vocabulary columns (logits
+        gathered); tied, both stay whole (a tied weight cannot be split). Every layer's output is whole."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if self.cfg.n_head % tensor_parallel:
+            fits = [t for t in range(1, self.cfg.n_head + 1) if self.cfg.n_head % t == 0]
+            raise ValueError(f"model.n_head={self.cfg.n_head} must be divisible by tensor_parallel={tensor_parallel} (each "
+                             f"tensor-parallel rank computes n_head / tp whole heads); use tensor_parallel in {fits}, or "
+                             f"model.n_head a multiple of {tensor_parallel}.")
+        if isinstance(layer, Embedding) and not self.cfg.tie_weights:
+            return {"tok": RowwiseParallel(input_layouts=Replicate())}
+        if isinstance(layer, Head) and not self.cfg.tie_weights:
+            return {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+        if not isinstance(layer, Block):
+            return None
+        return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))  # mean nats per byte

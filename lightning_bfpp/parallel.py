@@ -1,4 +1,4 @@
-# Scope: small functions over the (pipeline_parallel, data_parallel) DeviceMesh: build the mesh,
+# Scope: small functions over the (pipeline_parallel, data_parallel[, tensor_parallel]) DeviceMesh: build the mesh,
 # shard a stage over data parallel (FSDP2), share a value over ranks, global-norm gradient clipping.
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-PP, DP = "pipeline_parallel", "data_parallel"
+PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
 
 
-def build_mesh(device_type: str, pipeline_parallel: int, world_size: int, timeout: timedelta | None = None) -> DeviceMesh:
-    """(pp, dp) mesh, dp innermost: the ranks of one data-parallel group are contiguous (same node).
+def build_mesh(device_type: str, pipeline_parallel: int, world_size: int, timeout: timedelta | None = None,
+               tensor_parallel: int = 1) -> DeviceMesh:
+    """(pp, dp) mesh, dp innermost: the ranks of one data-parallel group are contiguous (same node); with
+    `tensor_parallel` > 1, (pp, dp, tp) with tp innermost (one tensor-parallel group within a node).
     Its process groups get `timeout` (torch would give subgroups its 30 min default, not the world's)."""
-    if world_size % pipeline_parallel:
+    if world_size % (pipeline_parallel * tensor_parallel):
         raise ValueError(
-            f"pipeline_parallel={pipeline_parallel} must divide the world size ({world_size} = devices x num_nodes)."
+            f"pipeline_parallel x tensor_parallel = {pipeline_parallel} x {tensor_parallel} must divide the world size "
+            f"({world_size} = devices x num_nodes)."
         )
+    names = (PP, DP, TP) if tensor_parallel > 1 else (PP, DP)
+    shape = (pipeline_parallel, world_size // (pipeline_parallel * tensor_parallel), tensor_parallel)[:len(names)]
     override = None
     if timeout is not None:
         from torch._C._distributed_c10d import Backend
@@ -27,9 +32,8 @@ def build_mesh(device_type: str, pipeline_parallel: int, world_size: int, timeou
         backend = dist.get_backend()
         options = Backend.Options(backend)
         options._timeout = timeout
-        override = {PP: (backend, options), DP: (backend, options)}
-    return init_device_mesh(device_type, (pipeline_parallel, world_size // pipeline_parallel), mesh_dim_names=(PP, DP),
-                            backend_override=override)
+        override = {name: (backend, options) for name in names}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
 def shard_stage(module: nn.Module, dp_mesh: DeviceMesh, mp_policy=None) -> nn.Module:
@@ -73,17 +77,23 @@ def clip_grad_norm_global(
     pp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None,
     not_counted: Collection[int] = (),
+    tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip by the norm over ALL parameters of the model: local stages' (sharded) grads, summed over the
     pipeline group and, for sharded grads, the data-parallel group. Parameters whose id is in `not_counted`
-    (extra copies of a shared weight) are scaled but left out of the norm. Returns the total norm."""
+    (extra copies of a shared weight) are scaled but left out of the norm. With `tp_group`, the parts of
+    tensor-parallel-split grads are summed over it; grads every tp rank holds whole count once. Returns the total norm."""
+    from .tensor_parallel import sum_over_tp, tp_sharded
+
     params = [p for p in params if p.grad is not None]
     grads = [local_tensor(p.grad) for p in params]
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
+    split = torch.zeros((), dtype=torch.float64, device=device)  # tensor-parallel parts: summed over tp
     for p, g in zip(params, grads):
         if id(p) not in not_counted:
-            sq += g.detach().double().pow(2).sum()
+            (split if tp_group is not None and tp_sharded(p.grad) else sq).add_(g.detach().double().pow(2).sum())
+    sq += sum_over_tp(split, tp_group)
     for group in (pp_group, dp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)

@@ -7,8 +7,7 @@ import dataclasses
 import inspect
 import os
 import sys
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -30,13 +29,15 @@ from . import checkpoint as ckpt
 from .handover import GradHandover
 from .hooks import check_hooks
 from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
-from .parallel import (DP, PP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
+from .parallel import (DP, PP, TP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
                        stage_mixed_precision)
 from .partition import check_layout, named_parts, plan_stages, split_stages
+from .precision import pipeline_precision
 from .resume import skip_consumed_batches
 from .runtime.instrument import MEMORY_KEYS, gather_stats, local_bytes, optimizer_bytes
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, build_schedule
+from .tensor_parallel import apply_plans, check_tensor_parallel, grads_like_params, layer_plans
 from .tied import TiedWeights, find_shared_weights
 from .user_steps import pipeline_answers_forward, run_on_last_stage
 from .watchdog import FAILED, STOP_SIGNALS, Watchdog
@@ -54,8 +55,10 @@ class BFPPStrategy(ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
 
     Args:
-        pipeline_parallel: pipeline ranks (pp); data parallel = world_size / pp. Default (None): the world size
-            (every process one pipeline rank; fewer when the model has fewer layers), printed at start.
+        pipeline_parallel: pipeline ranks (pp); data parallel = world_size / (pp x tensor_parallel). Default (None):
+            world_size / tensor_parallel (fewer when the model has fewer layers), printed at start.
+        tensor_parallel: processes splitting every layer (tp, innermost, within one node) by the model's
+            ``pipeline_tp_plan`` (see ``lightning_bfpp.tensor_parallel``); must divide the devices per node.
         loops: stages per pipeline rank; stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe" or "1f1b".
@@ -89,6 +92,7 @@ class BFPPStrategy(ModelParallelStrategy):
     def __init__(
         self,
         pipeline_parallel: int | None = None,
+        tensor_parallel: int = 1,
         loops: int = 1,
         micro_batches: int | None = None,
         schedule: str = "breadth_first",
@@ -128,6 +132,10 @@ class BFPPStrategy(ModelParallelStrategy):
                 isinstance(measure_every_n_steps, int) and not isinstance(measure_every_n_steps, bool) and measure_every_n_steps >= 0):
             raise ValueError(f"measure_every_n_steps={measure_every_n_steps!r} must be None (Lightning's logging steps), "
                              "a positive integer N (every N-th step) or 0 (never).")
+        if not (isinstance(tensor_parallel, int) and not isinstance(tensor_parallel, bool) and tensor_parallel >= 1):
+            raise ValueError(f"tensor_parallel={tensor_parallel!r} must be a positive integer (1: no tensor parallel; "
+                             "2, 4, 8: processes of one node splitting every layer).")
+        self.tensor_parallel = tensor_parallel
         self.measure_every_n_steps = measure_every_n_steps
         self.nonfinite_loss = nonfinite_loss
         self.max_consecutive_skips = max_consecutive_skips
@@ -170,7 +178,7 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @property
     def data_parallel(self) -> int:
-        return self.device_mesh.size() // self.spec.pipeline_parallel
+        return self.device_mesh.size() // (self.spec.pipeline_parallel * self.tensor_parallel)
 
     @property
     def loops(self) -> int:
@@ -193,8 +201,9 @@ class BFPPStrategy(ModelParallelStrategy):
     def _resolve_default_layout(self, world: int, num_layers: int | None = None) -> None:
         """Without an explicit pipeline_parallel, every process is a pipeline rank: pp = the world size, or its
         largest divisor that leaves every stage a layer (`num_layers`, once the model is known)."""
-        if not self._default_layout or not world:
+        if not self._default_layout or not world or world % self.tensor_parallel:
             return
+        world //= self.tensor_parallel  # pipeline x data parallel
         fits = [pp for pp in range(1, world + 1) if world % pp == 0
                 and (num_layers is None or pp * self.spec.loops <= num_layers)]
         pp = max(fits or [1])
@@ -208,7 +217,8 @@ class BFPPStrategy(ModelParallelStrategy):
         if num_layers is not None and not self._layout_announced:
             self._layout_announced = True
             rank_zero_info(
-                f"bfpp: default layout on {world} processes: pipeline_parallel={pp}, data_parallel={world // pp}, "
+                f"bfpp: default layout on {world * self.tensor_parallel} processes: pipeline_parallel={pp}, "
+                f"data_parallel={world // pp}, tensor_parallel={self.tensor_parallel}, "
                 f"loops={self.spec.loops}, micro_batches={m}, schedule={self.spec.name} (choose with "
                 "BFPPStrategy(pipeline_parallel=..., loops=..., micro_batches=...))."
             )
@@ -225,6 +235,7 @@ class BFPPStrategy(ModelParallelStrategy):
                 f"(devices={self.num_processes} x num_nodes={self.num_nodes}); use pipeline_parallel in {fits}, "
                 f"or devices x num_nodes a multiple of {self.spec.pipeline_parallel}."
             )
+        check_tensor_parallel(self.tensor_parallel, self.spec.pipeline_parallel, world, self.num_processes)
         super()._configure_launcher()
         if type(self._launcher) is _SubprocessScriptLauncher:  # check the model before starting the children
             self._launcher = CheckingLauncher(self._check_before_launch, self.cluster_environment,
@@ -240,7 +251,8 @@ class BFPPStrategy(ModelParallelStrategy):
                                       on_signal_stop=self._requeue if requeue and self.global_rank == 0 else None)
             self._watchdog.start()
             self._failed = False
-        self._device_mesh = build_mesh(self.root_device.type, self.spec.pipeline_parallel, self.world_size, self._timeout)
+        self._device_mesh = build_mesh(self.root_device.type, self.spec.pipeline_parallel, self.world_size, self._timeout,
+                                       self.tensor_parallel)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -323,8 +335,9 @@ class BFPPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_precision()
-        self._install_global_clipping()
+        # Lightning's plugin, as a subclass that clips by the global norm; under "bf16-mixed" with sharded stages
+        # FSDP2 computes in bf16 (``parallel.stage_mixed_precision``), so no autocast (README "Precision and memory")
+        self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm, self._fsdp_mixed_precision)
 
     def check_model(self, module) -> list[list[str]]:
         """Check `module` against these settings without changing it; return the layer names of every stage.
@@ -352,7 +365,10 @@ class BFPPStrategy(ModelParallelStrategy):
         layers = list(module.pipeline_layers())
         self._resolve_default_layout(self.num_processes * self.num_nodes, len(layers))
         self._announce_contract(module)
-        return plan_stages(module, layers, self.spec.num_stages, self.stage_layers)
+        stages = plan_stages(module, layers, self.spec.num_stages, self.stage_layers)
+        if self.tensor_parallel > 1:
+            layer_plans(module, layers, self.tensor_parallel)  # the model's tensor-parallel plan, checked
+        return stages
 
     def _announce_contract(self, module) -> None:
         """Say once, at start-up, which of the user's methods bfpp runs as written and which it replaces."""
@@ -374,6 +390,8 @@ class BFPPStrategy(ModelParallelStrategy):
         pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
         layers = list(module.pipeline_layers())
         parts = named_parts(module, layers)  # every layer's modules by their names in `module`, before the split
+        tp = self.tensor_parallel
+        plans = layer_plans(module, layers, tp) if tp > 1 else {}
         modules, self.stage_layer_names = split_stages(
             module,
             layers,
@@ -384,10 +402,14 @@ class BFPPStrategy(ModelParallelStrategy):
         )
         # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded
         shared = find_shared_weights(parts, self.stage_layer_names)
-        self.tied = TiedWeights(module, shared, modules, self.spec.stage_rank, dp_mesh.size(), self.global_rank, self._timeout)
+        # global rank = (pipeline rank x dp + dp index) x tp + tp index: copies are summed per (dp, tp) index
+        self.tied = TiedWeights(module, shared, modules, self.spec.stage_rank, dp_mesh.size() * tp, self.global_rank,
+                                self._timeout)
         _materialize_distributed_module(module, self.root_device)  # only local layers remain
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if plans:  # split the local layers over tensor parallel (before FSDP shards the stages over data parallel)
+            apply_plans(plans, modules.values(), self.device_mesh[TP])
         for stage in modules.values():
             stage.activation_checkpointing = self.activation_checkpointing
         sharded = self.sharding == "full" and dp_mesh.size() > 1
@@ -401,28 +423,16 @@ class BFPPStrategy(ModelParallelStrategy):
             self._train_schedule, modules, self.root_device, pp_mesh.get_group(), module.pipeline_loss, replicate_group
         )
 
-    def _install_precision(self) -> None:
-        """Lightning's precision plugin is kept. Under "bf16-mixed" with FSDP-sharded stages the stages' FSDP2
-        MixedPrecisionPolicy (``parallel.stage_mixed_precision``) already computes in bf16, so the plugin's
-        autocast is switched off; elsewhere autocast ("bf16-mixed") or the bf16 module ("bf16-true") is the
-        plugin's own. README "Precision and memory" has the full table."""
-        if self._fsdp_mixed_precision:
-            self.precision_plugin.forward_context = nullcontext
-
-    def _install_global_clipping(self) -> None:
-        """Norm clipping must see the whole model: the precision plugin's per-rank norm is replaced by one
-        all-reduced over pipeline ranks (and data-parallel ranks when gradients are sharded)."""
-        plugin = self.precision_plugin
+    def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
+        """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see
+        ``lightning_bfpp.precision``): the norm is all-reduced over pipeline ranks (and data-parallel ranks when
+        gradients are sharded); copies of a shared weight count once."""
         pp_group = self.device_mesh[PP].get_group()
         sharded = self.sharding == "full" and self.device_mesh[DP].size() > 1
         dp_group = self.device_mesh[DP].get_group() if sharded else None
-
-        not_counted = self.tied.not_counted() if self.tied is not None else set()  # shared weights count once
-
-        def clip_grad_by_norm(optimizer, clip_val) -> None:
-            clip_grad_norm_global(plugin.main_params(optimizer), float(clip_val), pp_group, dp_group, not_counted)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
+        not_counted = self.tied.not_counted() if self.tied is not None else set()
+        tp_group = self.device_mesh[TP].get_group() if self.tensor_parallel > 1 else None
+        clip_grad_norm_global(params, max_norm, pp_group, dp_group, not_counted, tp_group)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
@@ -438,6 +448,7 @@ class BFPPStrategy(ModelParallelStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         checkpoint["bfpp"] = {"schedule": self.spec.name, "pipeline_parallel": self.spec.pipeline_parallel,
                               "loops": self.spec.loops, "data_parallel": self.data_parallel,
+                              "tensor_parallel": self.tensor_parallel,
                               "stage_layers": self.stage_layer_names}
         ckpt.save(path, state, checkpoint)
 
@@ -483,7 +494,9 @@ class BFPPStrategy(ModelParallelStrategy):
                 loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics), measure=measure)
             if self.tied:
                 self.tied.sum_gradients()
-        loss = share_from_ranks(loss, self.data_parallel, self.root_device)
+            if self.tensor_parallel > 1:
+                grads_like_params(params)
+        loss = share_from_ranks(loss, self.data_parallel * self.tensor_parallel, self.root_device)  # last-stage ranks
         if measure:
             self._update_stats(params)
         module.log("train_loss", loss, prog_bar=True, batch_size=_batch_size(inputs))

@@ -54,7 +54,9 @@ class BucketedAllReduce:
 
     def start(self, module: nn.Module) -> None:
         """Start the all-reduces of `module`'s gradients (asynchronous; `wait` finishes them)."""
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        # a tensor-parallel DTensor's gradient: its local part (shares storage: the averages land in the DTensor)
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in module.parameters() if p.grad is not None]
         for bucket in buckets(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             self._pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))

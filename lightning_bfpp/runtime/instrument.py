@@ -70,11 +70,11 @@ class SavedActivationMeter:
         class _Held:
             __slots__ = ("tensor", "ptr")
 
-            def __init__(self, t: torch.Tensor):
-                self.tensor, self.ptr = t, t.untyped_storage().data_ptr()
+            def __init__(self, t: torch.Tensor, storage: torch.UntypedStorage):
+                self.tensor, self.ptr = t, storage.data_ptr()
                 entry = meter.live.get(self.ptr)
                 if entry is None:
-                    meter.live[self.ptr] = [1, t.untyped_storage().nbytes()]
+                    meter.live[self.ptr] = [1, storage.nbytes()]
                     meter.current += meter.live[self.ptr][1]
                     meter.peak = max(meter.peak, meter.current)
                 else:
@@ -91,18 +91,26 @@ class SavedActivationMeter:
         def pack(t: torch.Tensor):
             if isinstance(t, nn.Parameter) or t.device.type == "meta":
                 return t
-            ptr = t.untyped_storage().data_ptr()
+            storage = _local(t).untyped_storage()  # a DTensor (tensor parallel): its local part's storage
+            ptr = storage.data_ptr()
             if ptr not in meter._param_ptrs and ptr not in batch_ptrs:
                 meter.refresh()  # FSDP2 may have swapped in gathered parameters since the last look
             if ptr in batch_ptrs or ptr in meter._param_ptrs:
                 return t
-            return _Held(t)
+            return _Held(t, storage)
 
         def unpack(x):
             return x.tensor if isinstance(x, _Held) else x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield self
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (read without an autograd op: this runs inside saved-tensor hooks); else `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -1,0 +1,102 @@
+"""Train a tiny example GPT with strategy=bfpp and tensor parallel, several layouts in one launch of N CPU processes.
+
+Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
+Config keys: pp, tp, loops, m, schedule, sharding, steps (max_steps), batch (global), opt (sgd|adamw), clip, ac,
+precision, tied (embedding tied to the head), save (checkpoint folder written after fit), resume (ckpt_path).
+Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
+"tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt import GPT, GPTConfig, OptimConfig  # noqa: E402
+
+from lightning_bfpp import BFPPStrategy  # noqa: E402
+from lightning_bfpp.tensor_parallel import tp_sharded  # noqa: E402
+
+SAMPLES, BLOCK, VOCAB = 64, 8, 32
+
+
+def model_config(tied: bool = False) -> GPTConfig:
+    return GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=BLOCK, vocab_size=VOCAB, tie_weights=tied)
+
+
+def optim_config(opt: str = "sgd") -> OptimConfig:
+    """A constant learning rate (no warmup, no decay): the reference needs no scheduler."""
+    return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 0.01, warmup_steps=0, min_lr_ratio=1.0)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, BLOCK + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def lightning_batches(global_batch: int, data_parallel: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches Lightning's training sampler (shuffled, seed 0) yields over `data_parallel` replicas."""
+    ds = dataset()
+    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0))
+                for r in range(data_parallel)]
+    b = global_batch // data_parallel
+    return [(ds.tensors[0][idx], ds.tensors[1][idx]) for t in range(len(per_rank[0]) // b)
+            for idx in [[i for r in range(data_parallel) for i in per_rank[r][t * b:(t + 1) * b]]]]
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
+def run(cfg: dict, devices: int, out: Path) -> None:
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg.get("tied", False)), optim_config(cfg.get("opt", "sgd")))
+    pp, tp = cfg.get("pp", 1), cfg.get("tp", 1)
+    strategy = BFPPStrategy(
+        pipeline_parallel=pp, tensor_parallel=tp, loops=cfg.get("loops", 1), micro_batches=cfg.get("m"),
+        schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
+        activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120),
+    )
+    losses = Losses()
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
+        precision=cfg.get("precision", "32-true"), gradient_clip_val=cfg.get("clip"), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[losses],
+    )
+    dp = devices // (pp * tp)
+    loader = DataLoader(dataset(), batch_size=cfg.get("batch", 8) // dp, shuffle=False, drop_last=True)
+    trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
+    if cfg.get("save"):
+        trainer.save_checkpoint(cfg["save"])
+    named = list(model.named_parameters())
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}
+    local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in named}
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"params": params, "local_shapes": local, "tp_split": sorted(n for n, p in named if tp_sharded(p)),
+                "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank)},
+               out / f"rank{trainer.global_rank}.pt")
+
+
+def main() -> None:
+    out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    for i, cfg in enumerate(configs):
+        run(cfg, devices, out / f"cfg{i}")
+
+
+if __name__ == "__main__":
+    main()

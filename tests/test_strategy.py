@@ -53,6 +53,29 @@ def test_measurement_runs_on_logging_steps_every_n_steps_or_never():
             BFPPStrategy(measure_every_n_steps=bad)
 
 
+def test_precision_plugin_becomes_a_subclass_that_clips_globally_and_skips_autocast_under_fsdp():
+    import torch
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+    from lightning_bfpp.precision import PipelinePrecision, pipeline_precision
+
+    calls = []
+    original = MixedPrecision("bf16-mixed", "cpu")
+    plugin = pipeline_precision(original, lambda params, norm: calls.append((list(params), norm)), fsdp_mixed=False)
+    assert isinstance(plugin, MixedPrecision) and isinstance(plugin, PipelinePrecision) and plugin is not original
+    assert type(plugin).__name__ == "PipelineMixedPrecision" and plugin.precision == "bf16-mixed"
+    assert "clip_grad_by_norm" not in vars(plugin) and "forward_context" not in vars(original)  # nothing patched
+    with plugin.forward_context():
+        assert torch.is_autocast_enabled("cpu")
+    assert pipeline_precision(plugin, plugin.clip_norm, fsdp_mixed=True) is plugin
+    with plugin.forward_context():
+        assert not torch.is_autocast_enabled("cpu")
+    weight = torch.nn.Parameter(torch.ones(2))
+    plugin.clip_grad_by_norm(torch.optim.SGD([weight], lr=1.0), 0.5)
+    assert calls == [([weight], 0.5)]
+    assert type(pipeline_precision(Precision(), print, fsdp_mixed=False)) is PipelinePrecision
+
+
 def test_world_size_not_divisible_fails_before_launch():
     with pytest.raises(ValueError, match="pipeline_parallel=2 must divide the world size 3"):
         Trainer(accelerator="cpu", devices=3, strategy=BFPPStrategy(pipeline_parallel=2), logger=False)

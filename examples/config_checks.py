@@ -146,8 +146,9 @@ def check_layout(cfg: DictConfig) -> int | None:
     world, dp, m = devices * nodes, devices * nodes, 1
     if get("trainer.strategy") == "bfpp":
         pp, loops, m = get("schedule.pipeline_parallel"), get("schedule.loops"), get("schedule.micro_batches")
+        tp = get("schedule.tensor_parallel") or 1
         m = pp if m is None else m
-        if not all(_is_positive_int(v) for v in (pp, loops, m)):
+        if not all(_is_positive_int(v) for v in (pp, loops, m, tp)):
             return None  # BFPPStrategy names the illegal schedule knob
         if world % pp:
             fits = [d for d in range(1, world + 1) if world % d == 0]
@@ -155,6 +156,13 @@ def check_layout(cfg: DictConfig) -> int | None:
                 f"schedule.pipeline_parallel={pp} must divide the world size cluster.devices x cluster.num_nodes = "
                 f"{devices} x {nodes} = {world}; use schedule.pipeline_parallel in {fits}, or cluster.devices a "
                 f"multiple of {pp}."
+            )
+        if devices % tp or world % (pp * tp):
+            fits = [t for t in range(1, devices + 1) if devices % t == 0 and world % (pp * t) == 0]
+            raise ConfigError(
+                f"schedule.tensor_parallel={tp} must divide cluster.devices={devices} (a tensor-parallel group stays in "
+                f"one node) and, times schedule.pipeline_parallel={pp}, the world size {world}; use "
+                f"schedule.tensor_parallel in {fits}."
             )
         n_layer = get("model.n_layer")
         stages, layers = pp * loops, n_layer + 2  # embedding + blocks + head
@@ -165,7 +173,7 @@ def check_layout(cfg: DictConfig) -> int | None:
                 f"layers, but model.n_layer={n_layer} makes {layers} (embedding, {n_layer} blocks, head); use "
                 f"{fix}, or model.n_layer={stages - 2}."
             )
-        dp = world // pp
+        dp = world // (pp * tp)
     unit = dp * m
     if batch % unit:
         sizes = " or ".join(str(b) for b in sorted({max(unit, batch // unit * unit), (batch // unit + 1) * unit}))

@@ -207,14 +207,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     run_name = f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}" if bfpp else "auto"
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight is one Parameter: counted once
     pp = s.pipeline_parallel if bfpp else 1
-    layout = {"world_size": world_size(cfg), "data_parallel": world_size(cfg) // pp, "params": n_params}
+    tp = s.get("tensor_parallel", 1) if bfpp else 1
+    layout = {"world_size": world_size(cfg), "data_parallel": world_size(cfg) // (pp * tp), "params": n_params}
     metrics = PipelineMetrics(
         flops_per_token=flops_per_token(model_cfg, n_params),
         peak_flops=cfg.cluster.peak_flops,
         out_dir=run_dir,
         summary_extra={"model": cfg.model.name, "cluster": cfg.cluster.name, "params": n_params,
                        "global_batch_size": cfg.data.batch_size, "block_size": cfg.model.block_size,
-                       "schedule": s.name if bfpp else "none", "pipeline_parallel": pp,
+                       "schedule": s.name if bfpp else "none", "pipeline_parallel": pp, "tensor_parallel": tp,
                        "loops": s.loops if bfpp else 1, "micro_batches": s.micro_batches if bfpp else 1},
         log_schedule=bool(cfg.logger.get("log_schedule", True)),
     )

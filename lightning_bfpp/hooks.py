@@ -32,6 +32,12 @@ class PipelineHooks:
         stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
         with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
         step ends (for a language model: the logits of the whole batch).
+        ``pipeline_tp_plan(layer_name, layer, tensor_parallel)``: needed for ``BFPPStrategy(tensor_parallel>1)``; for
+        each layer (``layer_name`` as in stage names), a dict {submodule name or ``*`` pattern inside ``layer``: torch
+        ``ParallelStyle``} applied with ``parallelize_module`` over the tensor-parallel group, or None to keep it whole.
+        Each layer must return its output whole (end a column-wise split with a row-wise one, or gather it):
+        activations cross stages whole. Raise naming the setting when the model cannot split by ``tensor_parallel``
+        (e.g. heads); a weight tied to another module cannot be split. See ``lightning_bfpp.tensor_parallel``.
 
     Your ``validation_step``, ``test_step`` and ``predict_step`` run as written on the last stage's ranks, with
     ``self(x)`` returning the pipeline's output; ``training_step`` is replaced by the pipeline (``pipeline_loss``).

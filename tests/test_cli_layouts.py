@@ -49,6 +49,23 @@ def test_same_train_loss_on_one_two_and_four_processes(tmp_path):
         assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values, base)), losses
 
 
+def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path):
+    """schedule.tensor_parallel=2 with pipeline_parallel=2 on 4 processes (dp 1): the GPT's blocks, embedding and head
+    split by its pipeline_tp_plan give the single-process losses and torchmetrics values (optim=sgd)."""
+    layouts = {
+        "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
+        "tp2": ["cluster=cpu_4", "schedule.pipeline_parallel=2", "schedule.tensor_parallel=2", "schedule.loops=1",
+                "schedule.micro_batches=2"],
+    }
+    values = {}
+    for name, args in layouts.items():
+        run_cli(COMMON + args + [f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
+        s = _summary(tmp_path / name)
+        assert s["steps"] == 3 and s["data_parallel"] == 1
+        values[name] = (s["train_loss"], s["val_loss"], *_last_eval(tmp_path / name).values())
+    assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values["tp2"], values["cpu1"])), values
+
+
 def test_tied_embeddings_across_stages_match_one_process(tmp_path):
     """model.tie_weights=true: the embedding (first stage) and the output head (last stage, other pipeline rank)
     share one matrix; pp=2 x loops=2 trains it like the single-process model."""

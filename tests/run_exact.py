@@ -136,6 +136,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         sharding=cfg.get("sharding", "full"), reshard_after_forward=cfg.get("reshard", False),
         nonfinite_loss=cfg.get("nonfinite", "stop"), activation_checkpointing=cfg.get("ac", False),
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
+        measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]

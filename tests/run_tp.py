@@ -2,7 +2,7 @@
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
 Config keys: pp, tp, loops, m, schedule, sharding, steps (max_steps), batch (global), opt (sgd|adamw), clip, ac,
-precision, tied (embedding tied to the head), save (checkpoint folder written after fit), resume (ckpt_path).
+precision, tied (embedding tied to the head), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes}.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def model_config(tied: bool = False) -> GPTConfig:
 
 def optim_config(opt: str = "sgd") -> OptimConfig:
     """A constant learning rate (no warmup, no decay): the reference needs no scheduler."""
-    return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 0.01, warmup_steps=0, min_lr_ratio=1.0)
+    return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 1e-3, warmup_steps=0, min_lr_ratio=1.0)
 
 
 def dataset() -> TensorDataset:
@@ -71,17 +72,19 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120),
     )
     losses = Losses()
+    callbacks: list[Callback] = [losses]
+    if cfg.get("save_every"):
+        callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}", every_n_train_steps=cfg["save_every"],
+                                         save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         precision=cfg.get("precision", "32-true"), gradient_clip_val=cfg.get("clip"), logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[losses],
+        enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=callbacks,
     )
     dp = devices // (pp * tp)
     loader = DataLoader(dataset(), batch_size=cfg.get("batch", 8) // dp, shuffle=False, drop_last=True)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
-    if cfg.get("save"):
-        trainer.save_checkpoint(cfg["save"])
     named = list(model.named_parameters())
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in named}

@@ -79,29 +79,43 @@ def clip_grad_norm_global(
     not_counted: Collection[int] = (),
     tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Clip by the norm over ALL parameters of the model: local stages' (sharded) grads, summed over the
-    pipeline group and, for sharded grads, the data-parallel group. Parameters whose id is in `not_counted`
+    """Clip by the norm over ALL parameters of the model: torch's `get_total_norm` of the local stages' (sharded)
+    grads, squared and summed over the pipeline group and, for sharded grads, the data-parallel group; then
+    torch's `clip_grads_with_norm_`. Parameters whose id is in `not_counted`
     (extra copies of a shared weight) are scaled but left out of the norm. With `tp_group`, the parts of
     tensor-parallel-split grads are summed over it; grads every tp rank holds whole count once. Returns the total norm."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
     from .tensor_parallel import sum_over_tp, tp_sharded
 
     params = [p for p in params if p.grad is not None]
-    grads = [local_tensor(p.grad) for p in params]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    split = torch.zeros((), dtype=torch.float64, device=device)  # tensor-parallel parts: summed over tp
-    for p, g in zip(params, grads):
-        if id(p) not in not_counted:
-            (split if tp_group is not None and tp_sharded(p.grad) else sq).add_(g.detach().double().pow(2).sum())
-    sq += sum_over_tp(split, tp_group)
+    device = params[0].grad.device if params else torch.device("cpu")
+
+    def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:  # float64: squares of ranks' norms add up
+        return get_total_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64, device=device)
+
+    counted = [p for p in params if id(p) not in not_counted]
+    split = [p for p in counted if tp_group is not None and tp_sharded(p.grad)]  # parts summed over tp
+    whole = [p for p in counted if not (tp_group is not None and tp_sharded(p.grad))]
+    sq = squared_norm([local_tensor(p.grad) for p in whole]) + sum_over_tp(
+        squared_norm([local_tensor(p.grad) for p in split]), tp_group)
     for group in (pp_group, dp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
     total = sq.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.detach().mul_(coef.to(g.dtype))
+    by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}  # DTensor grads are scaled by a DTensor norm
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for mesh, members in by_mesh.items():
+        clip_grads_with_norm_(members, max_norm, total if mesh is None else _replicated(total, mesh))
     return total
+
+
+def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`t` (the same value on every rank) as a DTensor replicated over `mesh`."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def share_from_ranks(value: torch.Tensor | None, divide_by: int, device: torch.device) -> torch.Tensor:

@@ -76,6 +76,34 @@ def test_precision_plugin_becomes_a_subclass_that_clips_globally_and_skips_autoc
     assert type(pipeline_precision(Precision(), print, fsdp_mixed=False)) is PipelinePrecision
 
 
+def test_global_norm_clipping_matches_torch_and_counts_copies_once():
+    import torch
+
+    from lightning_bfpp.parallel import clip_grad_norm_global
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    copy = torch.nn.Parameter(params[0].detach().clone())  # a tied copy: scaled, not counted
+    copy.grad = params[0].grad.clone()
+    reference = [p.grad.clone() for p in params]
+    expected = torch.nn.utils.clip_grad_norm_([_with_grad(g.clone()) for g in reference], 0.5)
+    total = clip_grad_norm_global([*params, copy], 0.5, None, None, not_counted={id(copy)})
+    assert abs(total.item() - expected.item()) <= 1e-6 * expected.item()
+    for p, r in zip(params, reference):
+        assert torch.allclose(p.grad, r * (0.5 / (expected + 1e-6)), rtol=1e-6, atol=0)
+    assert torch.equal(copy.grad, params[0].grad)
+
+
+def _with_grad(grad):
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad
+    return p
+
+
 def test_world_size_not_divisible_fails_before_launch():
     with pytest.raises(ValueError, match="pipeline_parallel=2 must divide the world size 3"):
         Trainer(accelerator="cpu", devices=3, strategy=BFPPStrategy(pipeline_parallel=2), logger=False)

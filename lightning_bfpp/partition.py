@@ -125,7 +125,7 @@ def check_layout(layout: Sequence[int], num_layers: int | None, num_stages: int)
     raise ValueError(
         f"stage_layers={counts if counts is not None else layout!r} must list {num_stages} positive layer counts "
         f"(one per stage: pipeline_parallel x loops){total}; {example}leave stage_layers unset (None) to "
-        "balance the stages by parameter count."
+        "balance the stages by parameter count, or set stage_layers='auto' to balance them by measured time."
     )
 
 

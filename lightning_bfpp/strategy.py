@@ -31,7 +31,8 @@ from .hooks import check_hooks
 from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
 from .parallel import (DP, PP, TP, build_mesh, clip_grad_norm_global, share_from_ranks, shard_stage,
                        stage_mixed_precision)
-from .partition import check_layout, named_parts, plan_stages, split_stages
+from .partition import balanced_layout, check_layout, named_parts, plan_stages, split_stages
+from .runtime.layer_cost import measure_layer_times, sample_micro_batch, stage_sums, time_balanced_layout
 from .precision import pipeline_precision
 from .resume import skip_consumed_batches
 from .runtime.instrument import MEMORY_KEYS, gather_stats, local_bytes, optimizer_bytes
@@ -65,7 +66,9 @@ class BFPPStrategy(ModelParallelStrategy):
         groups: breadth_first only: sequential accumulation groups of micro-batches.
         sharding: "full" (FSDP2 over data parallel) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward.
-        stage_layers: explicit layer count per stage (default: balanced by parameter count).
+        stage_layers: explicit layer count per stage; "auto": balanced by time (global rank 0 times every layer's
+            forward+backward on one micro-batch of the training data at setup, every rank cuts by those times;
+            logged, and kept as ``stage_times_s``); default (None): balanced by parameter count.
         activation_checkpointing: recompute every layer of every local stage in backward (one extra forward
             per layer) instead of keeping its activations; only each layer's inputs stay saved.
         nonfinite_loss: a NaN/inf training loss (seen by every rank at once) "stop"s the run with an error
@@ -99,7 +102,7 @@ class BFPPStrategy(ModelParallelStrategy):
         groups: int = 1,
         sharding: Literal["full", "none"] = "full",
         reshard_after_forward: bool = False,
-        stage_layers: Sequence[int] | None = None,
+        stage_layers: Sequence[int] | Literal["auto"] | None = None,
         activation_checkpointing: bool = False,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
         max_consecutive_skips: int = 5,
@@ -158,7 +161,9 @@ class BFPPStrategy(ModelParallelStrategy):
         self.activation_checkpointing = bool(activation_checkpointing)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
         # one positive count per stage now; that they add up to the model's layers is checked by check_model
-        self.stage_layers = check_layout(stage_layers, None, self.spec.num_stages) if stage_layers else None
+        self.stage_layers = "auto" if stage_layers == "auto" else \
+            check_layout(stage_layers, None, self.spec.num_stages) if stage_layers else None
+        self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
         self.step_stats: dict[str, Any] = {}  # of the last measured step (see measure_every_n_steps)
@@ -212,7 +217,7 @@ class BFPPStrategy(ModelParallelStrategy):
         m = self._requested_micro_batches if self._requested_micro_batches is not None else pp
         self.spec = dataclasses.replace(self.spec, pipeline_parallel=pp, micro_batches=m)
         self._train_schedule = build_schedule(self.spec)
-        if self.stage_layers is not None:
+        if self.stage_layers not in (None, "auto"):
             self.stage_layers = check_layout(self.stage_layers, None, self.spec.num_stages)
         if num_layers is not None and not self._layout_announced:
             self._layout_announced = True
@@ -365,7 +370,7 @@ class BFPPStrategy(ModelParallelStrategy):
         layers = list(module.pipeline_layers())
         self._resolve_default_layout(self.num_processes * self.num_nodes, len(layers))
         self._announce_contract(module)
-        stages = plan_stages(module, layers, self.spec.num_stages, self.stage_layers)
+        stages = plan_stages(module, layers, self.spec.num_stages, None if self.stage_layers == "auto" else self.stage_layers)
         if self.tensor_parallel > 1:
             layer_plans(module, layers, self.tensor_parallel)  # the model's tensor-parallel plan, checked
         return stages
@@ -398,7 +403,7 @@ class BFPPStrategy(ModelParallelStrategy):
             self.spec.num_stages,
             self.spec.local_stages(pp_mesh.get_local_rank()),
             self.spec.stage_rank,
-            self.stage_layers,
+            self._auto_stage_layers(module, layers) if self.stage_layers == "auto" else self.stage_layers,
         )
         # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded
         shared = find_shared_weights(parts, self.stage_layer_names)
@@ -422,6 +427,24 @@ class BFPPStrategy(ModelParallelStrategy):
         return PipelineRunner(
             self._train_schedule, modules, self.root_device, pp_mesh.get_group(), module.pipeline_loss, replicate_group
         )
+
+    def _auto_stage_layers(self, module, layers: list) -> list[int]:
+        """stage_layers="auto": global rank 0 times each layer (``runtime.layer_cost``) and broadcasts the times, so
+        every rank cuts the same stages; the cut and the per-stage times are logged."""
+        times = None
+        if self.global_rank == 0:
+            inputs, target = sample_micro_batch(module, module.trainer, self.spec.micro_batches)
+            times = measure_layer_times(module, layers, inputs, target, module.pipeline_loss, self.root_device)
+        times = self.broadcast(times)
+        counts = time_balanced_layout(times, self.spec.num_stages)
+        self.stage_times_s = stage_sums(times, counts)
+        by_params = balanced_layout([sum(p.numel() for p in layer.parameters()) for layer in layers], self.spec.num_stages)
+        rank_zero_info(
+            f"bfpp: stage_layers='auto' cut {counts} (by parameter count: {by_params}); forward+backward per stage "
+            f"on one micro-batch: {', '.join(f'{t * 1e3:.1f}' for t in self.stage_times_s)} ms, by parameter count "
+            f"the slowest would be {max(stage_sums(times, by_params)) * 1e3:.1f} ms."
+        )
+        return counts
 
     def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
         """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see
@@ -449,7 +472,7 @@ class BFPPStrategy(ModelParallelStrategy):
         checkpoint["bfpp"] = {"schedule": self.spec.name, "pipeline_parallel": self.spec.pipeline_parallel,
                               "loops": self.spec.loops, "data_parallel": self.data_parallel,
                               "tensor_parallel": self.tensor_parallel,
-                              "stage_layers": self.stage_layer_names}
+                              "stage_layers": self.stage_layer_names, "stage_times_s": self.stage_times_s}
         ckpt.save(path, state, checkpoint)
 
     @override

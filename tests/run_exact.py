@@ -135,6 +135,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         schedule=cfg.get("schedule", "breadth_first"), groups=cfg.get("groups", 1),
         sharding=cfg.get("sharding", "full"), reshard_after_forward=cfg.get("reshard", False),
         nonfinite_loss=cfg.get("nonfinite", "stop"), activation_checkpointing=cfg.get("ac", False),
+        stage_layers=cfg.get("stage_layers"),
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
     )

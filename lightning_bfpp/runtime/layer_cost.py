@@ -1,0 +1,140 @@
+# Scope: stage_layers="auto" — each pipeline layer's forward+backward time on one micro-batch, measured on the
+# run's device before the model is cut, and the cut that minimises the slowest stage by those times.
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..partition import StageModule, describe_layers, input_kwargs
+from ..layer_io import side_inputs_of
+from ..schedule.layout import balanced_layout
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else [v for v in value if isinstance(v, torch.Tensor)]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _fresh(value: Any) -> tuple:
+    """A layer's input as fresh autograd leaves (floating tensors require grad), as a stage receives it."""
+    values = value if isinstance(value, tuple) else (value,)
+    return tuple(v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values)
+
+
+def measure_layer_times(
+    root: nn.Module,
+    layers: Sequence[nn.Module],
+    inputs: Any,
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    device: torch.device,
+    *,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> list[float]:
+    """Seconds of forward + backward of each layer (median of `repeats` after `warmup`), on one micro-batch
+    (`inputs`, `target`: ``pipeline_inputs`` of a micro-batch), the last layer with ``loss_fn``.
+
+    Each layer runs as a one-layer stage (side inputs and keyword plumbing as in the pipeline), on `device`
+    (moved there for its measurement and back). Leaves no trace: RNG states, buffers and ``.grad`` are restored.
+    """
+    described = describe_layers(root, layers)
+    side = side_inputs_of(root)
+    params = list(root.parameters())
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in root.buffers()]
+    kwargs = input_kwargs(_to(inputs, device)) if side is not None else {}
+    target = _to(target, device)
+    times: list[float] = []
+    rng_devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=rng_devices, device_type=device.type if rng_devices else "cuda"):
+        out: Any = _to(inputs, device)
+        for i, layer in enumerate(described):
+            home = {id(m): next(m.parameters(), None) for _, m in layer.parts}
+            for _, mod in layer.parts:
+                mod.to(device)
+            stage = StageModule(layer.parts, i, 0, calls=[(layer.name, layer.module)], side_inputs=side,
+                                last=i == len(described) - 1)
+            samples = []
+            for r in range(warmup + repeats):
+                args = _fresh(out)
+                _sync(device)
+                start = time.perf_counter()
+                y = stage(*args, **kwargs)
+                if i == len(described) - 1 and target is not None:
+                    loss_fn(y, target).backward()
+                else:
+                    outs = [t for t in _tensors(y) if t.requires_grad]
+                    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                _sync(device)
+                if r >= warmup:
+                    samples.append(time.perf_counter() - start)
+            times.append(statistics.median(samples))
+            out = y.detach() if isinstance(y, torch.Tensor) else tuple(_tensors(y))
+            for _, mod in layer.parts:  # back where the layer was (before the strategy moves the model)
+                first = home[id(mod)]
+                if first is not None:
+                    mod.to(first.device)
+    for p, g in zip(params, grads):
+        p.grad = g
+    with torch.no_grad():
+        for b, saved in buffers:
+            b.copy_(saved)
+    return times
+
+
+def sample_micro_batch(module: Any, trainer: Any, micro_batches: int) -> tuple[Any, Any]:
+    """(inputs, target) of one micro-batch: the first training batch through ``module.pipeline_inputs``, its
+    first 1/`micro_batches` rows; without training data, ``module.example_input_array`` (target None: the last
+    layer's backward then runs without the loss)."""
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)  # set by fit() before setup
+    loader = source.dataloader() if source is not None and source.is_defined() else None
+    if loader is not None:
+        inputs, target = module.pipeline_inputs(next(iter(loader)))
+    elif getattr(module, "example_input_array", None) is not None:
+        inputs, target = module.example_input_array, None
+    else:
+        raise ValueError(
+            "stage_layers='auto' times every layer on one micro-batch of the training data or of "
+            f"{type(module).__name__}.example_input_array; there is neither: set example_input_array, or pass "
+            "stage_layers=[...] (or None: balanced by parameter count)."
+        )
+
+    def rows(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return value[: max(1, value.shape[0] // micro_batches)]
+        return type(value)(rows(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+    return rows(inputs), rows(target)
+
+
+def time_balanced_layout(times: Sequence[float], num_stages: int) -> list[int]:
+    """Layers per stage minimising the slowest stage's summed time (contiguous, at least one layer each)."""
+    scale = 1e6 / max(max(times), 1e-12)  # integer costs for balanced_layout, resolution 1e-6 of the slowest layer
+    return balanced_layout([round(t * scale) for t in times], num_stages)
+
+
+def stage_sums(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """Per-stage sums of per-layer `costs` for the cut `counts`."""
+    sums, start = [], 0
+    for c in counts:
+        sums.append(sum(costs[start : start + c]))
+        start += c
+    return sums

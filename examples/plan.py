@@ -1,4 +1,4 @@
-"""Pick a pipeline/data-parallel layout for a model, a cluster and a global batch size by simulation.
+"""Pick a pipeline/data/tensor-parallel layout for a model, a cluster and a global batch size by simulation.
 
     python examples/plan.py model=gpt_52b cluster=slurm_gpu_64 data.batch_size=256
 
@@ -35,11 +35,12 @@ def main(cfg: DictConfig) -> None:
     start = time.perf_counter()
     plans = search(model, cluster, int(cfg.data.batch_size), options=options, top=int(p.top),
                    schedules=list(p.schedules), shardings=list(p.shardings), loops=list(p.loops),
-                   max_micro_batches=int(p.max_micro_batches), max_groups=int(p.max_groups))
+                   max_micro_batches=int(p.max_micro_batches), max_groups=int(p.max_groups),
+                   tensor_parallels=list(p.tensor_parallels) if p.get("tensor_parallels") else None)
     elapsed = time.perf_counter() - start
     if not plans:
         print(f"error: no layout of model={cfg.model.name} fits cluster={cfg.cluster.name} "
-              f"({cluster.device_memory / 1e9:.1f} GB per device) with data.batch_size={cfg.data.batch_size}; "
+              f"({cluster.device_memory / 1e9:.1f} GB per device, {cluster.memory_reserve / 1e9:.1f} GB reserved) with data.batch_size={cfg.data.batch_size}; "
               "try a smaller batch, activation checkpointing, or more devices.", file=sys.stderr)
         sys.exit(1)
     print(f"model={cfg.model.name} cluster={cfg.cluster.name} ({cluster.world_size} devices) "
@@ -48,6 +49,9 @@ def main(cfg: DictConfig) -> None:
     best = plans[0]
     overrides = best.candidate.overrides(cluster=cfg.cluster.name, model=cfg.model.name,
                                          batch_size=int(cfg.data.batch_size))
+    c = best.candidate
+    print(f"\nbest: {c.schedule} pipeline_parallel={c.pipeline_parallel} data_parallel={c.data_parallel} "
+          f"tensor_parallel={c.tensor_parallel} loops={c.loops} micro_batches={c.micro_batches}x{c.micro_batch_size}")
     print("\nbest layout for examples/train.py:\n  " + " ".join(overrides))
     if p.out:
         out = Path(HydraConfig.get().runtime.output_dir) / p.out  # an absolute plan.out stays as it is

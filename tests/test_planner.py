@@ -42,10 +42,12 @@ def test_pick_never_worse_than_fixed_schedule(names, override, batch):
 
 def test_memory_filter_and_lower_bound():
     model, cluster = _load("gpt_small", "gpu_8")
-    tight = Cluster(**{**cluster.__dict__, "device_memory": 4e7})
+    assert cluster.memory_reserve == 3e9  # a GPU cluster keeps a few GB for the CUDA context and comm buffers
+    tight = Cluster(**{**cluster.__dict__, "device_memory": 4e7 + cluster.memory_reserve})
     plans = search(model, tight, 64, top=0, include_unfit=True, max_micro_batches=16)
     assert any(not p.fits for p in plans) and any(p.fits for p in plans)
     assert all(p.peak_memory <= 4e7 for p in plans if p.fits)
+    assert any(p.peak_memory > 4e7 and p.peak_memory < tight.device_memory for p in plans)  # the reserve rejects these
     for c in list(candidates(model, cluster, 64, max_micro_batches=16))[::5]:
         assert memory_lower_bound(c, candidate_costs(model, cluster, c)) <= simulate_candidate(model, cluster, c).peak_memory
 

@@ -137,3 +137,56 @@ def test_stuck_action_lists_raise():
     }
     with pytest.raises(ScheduleError, match="cannot progress"):
         simulate(Schedule(spec, actions), unit_costs(2, 2))
+
+
+def test_tensor_parallel_divides_compute_state_and_adds_in_node_collectives():
+    """tp: per-rank FLOPs and split params / tp, 2+2 all-reduces per block on the in-node links, and with
+    sequence parallel every block activation / tp (Korthikanti et al.)."""
+    model = Model(n_layer=4, n_head=8, n_embd=256, seq=64, vocab=512)
+    cluster = Cluster(devices=8, num_nodes=2, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
+    one = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=8, micro_batch_size=2, micro_batches=4)
+    tp4 = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=2, micro_batch_size=2, micro_batches=4,
+                      tensor_parallel=4)
+    assert tp4.tensor_parallel == 4 and sum(s.params for s in tp4.stages) < 0.3 * sum(s.params for s in one.stages)
+    h, s, b, t = 256, 64, 2, 4
+    block_tp = 2 * (2 * (t - 1) / t * 2 * s * h * b / 1e11)  # two all-reduces of the bf16 activation
+    block_compute = (2 * 12 * h * h + 4 * s * h) / t * s * b / 1e12
+    layers = model.layers(cluster, 4)
+    assert layers.forward_flops[1] * 4 == model.layer_forward_flops()[1]
+    mid = build_costs(model.layers(cluster, 4), cluster, pipeline_parallel=6, loops=1, data_parallel=1,
+                      micro_batch_size=2, micro_batches=1, tensor_parallel=4, stage_layers=[1, 1, 1, 1, 1, 1])
+    assert mid.stages[1].forward == pytest.approx(block_compute + block_tp)
+    assert mid.stages[1].backward == pytest.approx(2 * block_compute + block_tp)
+    # the dp group of a tp=4 layout is 4 ranks apart: dp=2 x tp=4 fills a node, so the FSDP traffic stays in it
+    assert not tp4.stages[0].inter_node and tp4.p2p_inter == frozenset({(0, 1), (1, 0)})
+    sp = model.layers(cluster, 4, sequence_parallel=True).activation_bytes[1]
+    assert sp == pytest.approx(model.layer_activation_bytes(1)[1] / 4)
+    assert model.layers(cluster, 4).activation_bytes[1] > sp
+    with pytest.raises(ValueError, match="tensor_parallel=3"):
+        model.layers(cluster, 3)
+
+
+def test_network_interface_is_shared_and_link_end_is_the_latest():
+    """An inter-node pipeline message crossing the interface during an all-gather delays that all-gather."""
+    spec = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2)
+    quiet = unit_costs(4, 2, unshard=3.0, p2p=0.5)
+    shared = unit_costs(4, 2, unshard=3.0, p2p=0.5)
+    shared.stages = [type(st)(**{**st.__dict__, "inter_node": True}) for st in shared.stages]
+    shared.p2p_inter = frozenset(shared.p2p)
+    a, b = simulate(build_schedule(spec), quiet), simulate(build_schedule(spec), shared)
+    assert b.step_time > a.step_time
+    # rank 1 sends to rank 0 both ways round (pp=2: one link each way); the step waits for its last message
+    r = simulate(build_schedule(ScheduleSpec("gpipe", pipeline_parallel=2, micro_batches=2)), unit_costs(2, 2, p2p=5.0))
+    assert r.step_time >= max(e.end for e in r.timeline if e.kind.startswith("SEND"))
+
+
+def test_optimizer_sharding_is_megatron_distributed_optimizer():
+    model = Model(n_layer=4, n_head=4, n_embd=64, seq=32, vocab=256)
+    cluster = Cluster(devices=8, num_nodes=1, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
+    sched = build_schedule(ScheduleSpec("1f1b", pipeline_parallel=2, loops=1, micro_batches=4))
+    kw = dict(pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=1, micro_batches=4)
+    opt = build_costs(model, cluster, sharding="optimizer", **kw)
+    static = simulate(sched, opt).memory[0].static
+    assert static == pytest.approx((6 + 12 / 4) * sum(opt.stages[s].params for s in (0,)))
+    p = opt.stages[0].params  # fp32 reduce-scatter + bf16 all-gather of the updated parameters
+    assert opt.stages[0].reduce == pytest.approx(ring_time(4 * p, 4, 1e11, 0) + ring_time(2 * p, 4, 1e11, 0))

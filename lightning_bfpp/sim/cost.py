@@ -16,6 +16,20 @@ from .model import ACT_BYTES, Layers, Model
 STATE_BYTES = 16
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
+SHARDINGS = ("full", "none", "optimizer")
+
+
+def state_bytes(params: float, sharding: str, data_parallel: int) -> float:
+    """Bytes held for the whole step per rank for `params` (per-rank) parameters.
+
+    full: FSDP, 16 B/param / dp. none: replicated, 16 + bf16 weights + bf16 grads. optimizer: Megatron-LM's
+    distributed optimizer (its docs' table, bf16 params with fp32 main grads): 2 + 4 whole, + 12 / dp for the
+    fp32 master weights and Adam moments."""
+    if sharding == "full":
+        return STATE_BYTES * params / data_parallel
+    if sharding == "optimizer":
+        return (2 + 4) * params + 12 * params / data_parallel
+    return (STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * params
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,12 @@ class Cluster:
     layer_times: LayerTimes | None = None  # measured per-layer times; win over FLOPs for a model of their shape
     p2p_latency: float | None = None  # per pipeline message as the runtime sees it (default: `latency`)
     step_overhead: float = 0.0  # host seconds per step and rank outside the actions (runtime start and end)
+    memory_reserve: float = 0.0  # bytes never available to the step (CUDA context, comm buffers, fragmentation)
+    intra_latency: float | None = None  # per in-node collective step (NVLink); default `latency`
+
+    @property
+    def usable_memory(self) -> float:
+        return self.device_memory - self.memory_reserve
 
     @property
     def world_size(self) -> int:
@@ -66,7 +86,8 @@ class Cluster:
         """`achieved_flops` wins; else `peak_flops * compute_efficiency` (default efficiency 0.5).
         Optional (examples/calibrate.py writes them): `compute_overhead` (seconds added to every
         forward/backward action), `backward_factor`, `collective_bandwidth`, `grad_scale_time_per_param`,
-        `layer_times`, `p2p_latency`, `step_overhead`."""
+        `layer_times`, `p2p_latency`, `step_overhead`; `memory_reserve` (bytes, default 3 GB on GPUs, 0 on CPUs)
+        and `intra_node_latency`."""
         flops = cfg.get("achieved_flops")
         if flops is None:
             if cfg.get("peak_flops") is None:
@@ -87,6 +108,8 @@ class Cluster:
             layer_times=LayerTimes.from_dict(cfg["layer_times"]) if cfg.get("layer_times") else None,
             p2p_latency=float(cfg["p2p_latency"]) if cfg.get("p2p_latency") is not None else None,
             step_overhead=float(cfg.get("step_overhead") or 0.0),
+            memory_reserve=float(cfg.get("memory_reserve", 3e9 if cfg.get("accelerator") == "gpu" else 0.0)),
+            intra_latency=float(cfg["intra_node_latency"]) if cfg.get("intra_node_latency") is not None else None,
         )
 
     def group_bandwidth(self, ranks: Sequence[int]) -> float:
@@ -112,6 +135,8 @@ class StageCost:
     unshard: float = 0.0  # all-gather of the stage's weights over dp
     reduce: float = 0.0  # reduce-scatter (full) or all-reduce (none) of its gradients over dp
     reduce_host: float = 0.0  # host seconds at REDUCE_GRAD (1/m gradient scaling), not communication
+    workspace: float = 0.0  # transient bytes while one of its backwards runs
+    inter_node: bool = False  # its dp collectives cross nodes (they share the rank's network interface)
 
 
 @dataclass
@@ -127,15 +152,18 @@ class Costs:
     device_memory: float = float("inf")
     flops_per_token: float = 0.0
     step_overhead: float = 0.0  # host seconds per step and rank outside the actions (runtime start and end)
+    tensor_parallel: int = 1  # devices per pipeline rank of a replica
+    p2p_inter: frozenset = frozenset()  # links (src, dst) between nodes (they share the sender's interface)
 
     def p2p_time(self, src: int, dst: int) -> float:
         return self.p2p.get((src, dst), 0.0)
 
     def without_comm(self) -> Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
-        stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host) for s in self.stages]
+        stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host,
+                            workspace=s.workspace) for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
-                     self.flops_per_token, self.step_overhead)
+                     self.flops_per_token, self.step_overhead, self.tensor_parallel)
 
 
 def ring_time(nbytes: float, group: int, bandwidth: float, latency: float) -> float:
@@ -157,19 +185,27 @@ def build_costs(
     sharding: str = "full",
     stage_layers: Sequence[int] | None = None,
     activation_bytes: int = ACT_BYTES,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
 ) -> Costs:
     """Per-stage costs of `model` (its `Layers`, or a transformer `Model` that describes them) cut into
-    pipeline_parallel*loops stages on a (pp, dp) mesh of `cluster`.
+    pipeline_parallel*loops stages on a (pp, dp, tp) mesh of `cluster`.
 
     `activation_bytes`: bytes per element of the p2p activations/gradients (2: bf16, 4: a 32-true run).
-    NOTE: ranks are laid out as (pp, dp) with dp innermost: global rank = p * dp + d, so a dp group is
-    contiguous (intra-node when it fits in a node) and pipeline neighbours are dp ranks apart.
+    NOTE: ranks are laid out as (pp, dp, tp) with tp innermost: global rank = (p * dp + d) * tp + t, so a tp
+    group is one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
+    Tensor-parallel collectives run on the in-node links on the compute's critical path (as the runtime's);
+    activations cross stages whole, each tp rank sending to its counterpart.
     """
-    if sharding not in ("full", "none"):
-        raise ValueError(f"sharding={sharding!r} must be 'full' or 'none'.")
-    pp, dp = pipeline_parallel, data_parallel
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}.")
+    pp, dp, tp = pipeline_parallel, data_parallel, tensor_parallel
+    if cluster.devices % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide the {cluster.devices} devices of a node.")
     num_stages = pp * loops
-    layers = model if isinstance(model, Layers) else model.layers(cluster)
+    layers = model if isinstance(model, Layers) else model.layers(cluster, tp, sequence_parallel)
+    if layers.tensor_parallel != tp:
+        raise ValueError(f"layers are per rank of tensor_parallel={layers.tensor_parallel}, not {tp}.")
     if stage_layers is None:
         layout = _stage_layout(layers.params, num_stages)
     else:
@@ -182,6 +218,8 @@ def build_costs(
     tokens = micro_batch_size * layers.seq
     recompute = 1.0 if layers.recompute else 0.0
     measured = [(f * micro_batch_size, b * micro_batch_size) for f, b in layers.times] if layers.times else None
+    tp_fwd, tp_bwd = _tp_times(layers, cluster, micro_batch_size)
+    work = [w * micro_batch_size for w in layers.workspace] if layers.workspace else [0.0] * len(layers)
     stages, start = [], 0
     for s, n in enumerate(layout):
         p = sum(params[start:start + n])
@@ -191,23 +229,46 @@ def build_costs(
         else:
             fwd = sum(flops[start:start + n]) * tokens / cluster.flops
             bwd = (cluster.backward_factor + recompute) * fwd
-        rank = s % pp
-        bw = cluster.group_bandwidth([rank * dp + d for d in range(dp)])
+        fwd_tp = sum(tp_fwd[start:start + n])
+        bwd_tp = sum(tp_bwd[start:start + n]) + recompute * fwd_tp
+        group = [((s % pp) * dp + d) * tp for d in range(dp)]
+        bw = cluster.group_bandwidth(group)
         gather = ring_time(WEIGHT_BYTES * p, dp, bw, cluster.latency) if sharding == "full" else 0.0
-        reduce = ring_time(GRAD_BYTES * p, dp, bw, cluster.latency) * (1 if sharding == "full" else 2)
-        stages.append(StageCost(fwd + cluster.overhead, bwd + cluster.overhead, p, sum(acts[start:start + n]), gather,
-                                reduce, reduce_host=cluster.grad_scale * p))
+        if sharding == "full":  # bf16 reduce-scatter
+            reduce = ring_time(GRAD_BYTES * p, dp, bw, cluster.latency)
+        elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, bf16 all-gather of updated params
+            reduce = ring_time(4 * p, dp, bw, cluster.latency) + ring_time(WEIGHT_BYTES * p, dp, bw, cluster.latency)
+        else:  # bf16 all-reduce
+            reduce = 2 * ring_time(GRAD_BYTES * p, dp, bw, cluster.latency)
+        stages.append(StageCost(fwd + fwd_tp + cluster.overhead, bwd + bwd_tp + cluster.overhead, p,
+                                sum(acts[start:start + n]), gather, reduce, reduce_host=cluster.grad_scale * p,
+                                workspace=max(work[start:start + n]), inter_node=len({r // cluster.devices for r in group}) > 1))
         start += n
     message = activation_bytes * tokens * layers.width
-    p2p = {}
+    p2p, inter_links = {}, set()
     for src in range(pp):
         for dst in {(src + 1) % pp, (src - 1) % pp} - {src}:
             # the slowest replica sets the pace: inter-node if any replica's pair crosses a node
-            inter = any((src * dp + d) // cluster.devices != (dst * dp + d) // cluster.devices for d in range(dp))
+            inter = any(((src * dp + d) * tp) // cluster.devices != ((dst * dp + d) * tp) // cluster.devices
+                        for d in range(dp))
             latency = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
             p2p[(src, dst)] = latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
+            if inter:
+                inter_links.add((src, dst))
     return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
-                 cluster.step_overhead)
+                 cluster.step_overhead, tp, frozenset(inter_links))
+
+
+def _tp_times(layers: Layers, cluster: Cluster, micro_batch_size: int) -> tuple[list[float], list[float]]:
+    """Seconds of each layer's tensor-parallel collectives (forward, backward) for one micro-batch: ring
+    all-reduce volume 2(t-1)/t x bytes on the in-node links, 2(t-1) latency steps per collective."""
+    t = layers.tensor_parallel
+    if t == 1 or not layers.tp_comm:
+        return [0.0] * len(layers), [0.0] * len(layers)
+    bw = cluster.collective_bw or cluster.intra_bw
+    lat = cluster.latency if cluster.intra_latency is None else cluster.intra_latency
+    one = lambda count, nbytes: count * 2 * (t - 1) * lat + 2 * (t - 1) / t * nbytes * micro_batch_size / bw  # noqa: E731
+    return [one(c, b) for c, b, _, _ in layers.tp_comm], [one(c, b) for _, _, c, b in layers.tp_comm]
 
 
 def unit_costs(num_stages: int, pipeline_parallel: int, *, forward: float = 1.0, backward: float = 2.0,

@@ -20,6 +20,11 @@ class Layers:
     layer saves for backward per sample of a micro-batch. seq: tokens per sample. width: elements per token sent
     between stages. recompute: activation checkpointing (backward repeats the forward). times: measured
     (forward, backward) seconds per layer per sample, or None (FLOPs / the cluster's achieved FLOP/s).
+    tensor_parallel: the tp group these numbers are per rank of (params, FLOPs, activations already / tp).
+    tp_comm: per layer, the tensor-parallel collectives of one sample (forward count, forward bytes, backward
+    count, backward bytes), bytes as all-reduce volume (an all-gather or a reduce-scatter counts half).
+    workspace: per layer, transient bytes per sample while its backward runs (recomputed activations or
+    activation gradients), on top of what `activation_bytes` keeps.
     """
 
     params: tuple[int, ...]
@@ -29,14 +34,17 @@ class Layers:
     width: int
     recompute: bool = False
     times: tuple[tuple[float, float], ...] | None = None
+    tensor_parallel: int = 1
+    tp_comm: tuple[tuple[int, float, int, float], ...] | None = None
+    workspace: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.params)
 
     @property
     def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward + backward, no recompute)."""
-        return 3.0 * sum(self.forward_flops)
+        """Model FLOPs per trained token (forward + backward, no recompute), the whole tp group's."""
+        return 3.0 * sum(self.forward_flops) * self.tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -61,42 +69,72 @@ class Model:
     def num_layers(self) -> int:
         return self.n_layer + 2
 
-    def layer_params(self) -> list[int]:
-        h = self.n_embd
-        block = 12 * h * h + 13 * h  # qkv + proj + 4h MLP (with biases) + 2 layer norms
-        return [self.vocab * h + self.seq * h] + [block] * self.n_layer + [self.vocab * h + 2 * h]
+    def layer_params(self, tensor_parallel: int = 1) -> list[int]:
+        """Parameters per layer (per tp rank: split matrices and their column biases / tp; row biases, norms and
+        position embeddings whole, as examples/gpt.py's tp plan; the untied embedding and head split by vocab)."""
+        h, t = self.n_embd, tensor_parallel
+        block = (12 * h * h + 7 * h) // t + 6 * h  # qkv + proj + 4h MLP, 2 layer norms
+        return [self.vocab * h // t + self.seq * h] + [block] * self.n_layer + [self.vocab * h // t + 2 * h]
 
-    def layer_forward_flops(self) -> list[float]:
-        """Forward FLOPs per token per layer: 2 x params for matmuls, plus 4*seq*h for attention scores
-        and values (non-causal count, as Megatron's formula); the embedding lookup is free."""
-        h, s = self.n_embd, self.seq
-        block = 2 * (12 * h * h) + 4 * s * h
-        return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h]
+    def layer_forward_flops(self, tensor_parallel: int = 1) -> list[float]:
+        """Forward FLOPs per token per layer (per tp rank): 2 x params for matmuls, plus 4*seq*h for attention
+        scores and values (non-causal count, as Megatron's formula); the embedding lookup is free."""
+        h, s, t = self.n_embd, self.seq, tensor_parallel
+        block = (2 * (12 * h * h) + 4 * s * h) / t
+        return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h / t]
 
-    def layer_activation_bytes(self, micro_batch_size: int) -> list[float]:
-        """Saved activations per micro-batch (Korthikanti et al. 2022, bf16, no tensor parallel):
-        s*b*h*(34 + 5*a*s/h) per block, or its input only (2*s*b*h) with activation checkpointing;
-        the head keeps bf16 + fp32 logits."""
-        h, s, a, b = self.n_embd, self.seq, self.n_head, micro_batch_size
-        block = 2 * s * b * h if self.checkpointing else s * b * h * (34 + 5 * a * s / h)
-        return [float(ACT_BYTES * s * b * h)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
+    def _block_activation(self, b: int, t: int, sp: bool) -> float:
+        """Korthikanti et al. 2022 (bf16, dropout): s*b*h*(34 + 5as/h) per block; with tp t, the split
+        layers' part / t (10 + 24/t + 5as/(ht)); with sequence parallel too, everything / t."""
+        h, s, a = self.n_embd, self.seq, self.n_head
+        if sp:
+            return s * b * h * (34 / t + 5 * a * s / (h * t))
+        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
-    def layer_times(self, cluster: Cluster, micro_batch_size: int) -> list[tuple[float, float]] | None:
+    def layer_activation_bytes(self, micro_batch_size: int, tensor_parallel: int = 1,
+                               sequence_parallel: bool = False) -> list[float]:
+        """Saved activations per micro-batch and tp rank: the block formula, or its input only (2*s*b*h, / tp
+        with sequence parallel) with activation checkpointing; the head keeps bf16 + fp32 logits, whole (the
+        runtime gathers them over tp before the loss)."""
+        h, s, b, t = self.n_embd, self.seq, micro_batch_size, tensor_parallel
+        edge = ACT_BYTES * s * b * h / (t if sequence_parallel else 1)
+        block = edge if self.checkpointing else self._block_activation(b, t, sequence_parallel)
+        return [float(edge)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
+
+    def layer_tp_comm(self, tensor_parallel: int) -> list[tuple[int, float, int, float]]:
+        """Tensor-parallel collectives per sample (Megatron-style splits, as examples/gpt.py's plan): a block
+        all-reduces its activation twice in forward (after attention and MLP) and twice in backward (their
+        inputs' gradients); with sequence parallel each becomes an all-gather + reduce-scatter, the same volume.
+        The vocab-split embedding all-reduces its output; the head all-gathers its logits (forward) and
+        all-reduces its input's gradient (backward)."""
+        if tensor_parallel == 1:
+            return [(0, 0.0, 0, 0.0)] * self.num_layers
+        act = float(ACT_BYTES * self.seq * self.n_embd)
+        logits = float(ACT_BYTES * self.seq * self.vocab)
+        return [(1, act, 0, 0.0)] + [(2, 2 * act, 2, 2 * act)] * self.n_layer + [(1, logits / 2, 1, act)]
+
+    def layer_times(self, cluster: Cluster, micro_batch_size: int, tensor_parallel: int = 1) -> list[tuple[float, float]] | None:
         """Measured (forward, backward) seconds per layer from `cluster.layer_times` when they were taken on
-        a model of this shape, scaled linearly from the calibrated micro-batch size; else None."""
+        a model of this shape, scaled linearly from the calibrated micro-batch size (and / tp); else None."""
         lt = cluster.layer_times
         if lt is None or lt.shape != (self.n_head, self.n_embd, self.seq, self.vocab):
             return None
-        k = micro_batch_size / lt.micro_batch_size
+        k = micro_batch_size / lt.micro_batch_size / tensor_parallel
         scale = lambda fb: (fb[0] * k, fb[1] * k)  # noqa: E731
         return [scale(lt.embedding)] + [scale(lt.block)] * self.n_layer + [scale(lt.head)]
 
-    def layers(self, cluster: Cluster | None = None) -> Layers:
-        """These layers as the cost model's data (per-sample activations; `cluster`'s calibrated layer times
-        when they were taken on this shape)."""
-        times = self.layer_times(cluster, 1) if cluster is not None else None
-        return Layers(tuple(self.layer_params()), tuple(self.layer_forward_flops()), tuple(self.layer_activation_bytes(1)),
-                      self.seq, self.n_embd, self.checkpointing, tuple(times) if times else None)
+    def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1, sequence_parallel: bool = False) -> Layers:
+        """These layers as the cost model's data, per tp rank (per-sample activations; `cluster`'s calibrated
+        layer times when they were taken on this shape)."""
+        t, sp = tensor_parallel, sequence_parallel and tensor_parallel > 1
+        if self.n_head % t or self.vocab % t:
+            raise ValueError(f"tensor_parallel={t} must divide n_head={self.n_head} and vocab_size={self.vocab}.")
+        times = self.layer_times(cluster, 1, t) if cluster is not None else None
+        full = Model(self.n_layer, self.n_head, self.n_embd, self.seq, self.vocab)  # un-checkpointed activations
+        return Layers(tuple(self.layer_params(t)), tuple(self.layer_forward_flops(t)),
+                      tuple(self.layer_activation_bytes(1, t, sp)), self.seq, self.n_embd, self.checkpointing,
+                      tuple(times) if times else None, t, tuple(self.layer_tp_comm(t)),
+                      tuple(full.layer_activation_bytes(1, t, sp)))
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (forward + backward, no recompute): for MFU/tokens-per-second."""

@@ -1,4 +1,4 @@
-# Scope: search the layouts of a model on a cluster for one global batch size — (pp, dp), loops,
+# Scope: search the layouts of a model on a cluster for one global batch size — (pp, dp, tp), loops,
 # micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy — by
 # simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s.
 from __future__ import annotations
@@ -12,7 +12,7 @@ from lightning_bfpp.schedule import (
     SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
 )
 
-from .cost import GRAD_BYTES, STATE_BYTES, WEIGHT_BYTES, Cluster, Costs, build_costs
+from .cost import WEIGHT_BYTES, Cluster, Costs, build_costs, state_bytes
 from .model import Model
 from .simulate import SimOptions, SimResult, evaluate, simulate
 
@@ -32,6 +32,8 @@ class Candidate:
     groups: int = 1
     sharding: str = "full"
     reshard_after_forward: bool = False
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False  # cost model only: the runtime has no sequence parallel yet
 
     def spec(self) -> ScheduleSpec:
         return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
@@ -48,6 +50,7 @@ class Candidate:
             f"schedule.groups={self.groups}",
             f"schedule.sharding={self.sharding}",
             f"schedule.reshard_after_forward={str(self.reshard_after_forward).lower()}",
+            f"schedule.tensor_parallel={self.tensor_parallel}",
         ]
         out += [f"model={model}"] if model else []
         out += [f"cluster={cluster}"] if cluster else []
@@ -93,14 +96,19 @@ def candidates(
     max_groups: int = 8,
     min_pipeline_parallel: int = 1,
     max_pipeline_parallel: int | None = None,
+    tensor_parallels: Sequence[int] | None = None,
+    sequence_parallels: Sequence[bool] = (False,),
 ) -> Iterable[Candidate]:
-    """Every legal layout using the whole cluster (world = pp * dp). pp=1 is plain FSDP/DDP with
+    """Every legal layout using the whole cluster (world = pp * dp * tp, tp dividing a node's devices and the
+    model's heads; `tensor_parallels` None: all such tp). pp=1 is plain FSDP/DDP with
     gradient accumulation over the micro-batches (1f1b: forward/backward alternate; gpipe: all forwards
     first); with loops > 1 the model is cut into `loops` FSDP units, and breadth_first runs each unit for
     all micro-batches of a group before the next (weights gathered once per group)."""
     world = cluster.world_size
-    for pp in _divisors(world):
-        dp = world // pp
+    tps = [t for t in (tensor_parallels or _divisors(cluster.devices))
+           if cluster.devices % t == 0 and model.n_head % t == 0 and model.vocab % t == 0]
+    for tp, pp in ((t, p) for t in tps for p in _divisors(world // t)):
+        dp = world // (pp * tp)
         if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world) or pp > model.num_layers or batch_size % dp:
             continue
         replica = batch_size // dp
@@ -118,9 +126,9 @@ def candidates(
                         gpipe_twin = name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules
                         if groups > max_groups or gpipe_twin:
                             continue  # ungrouped, unlooped breadth-first is gpipe
-                        for sharding in shardings:
+                        for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
                             for raf in (False, True) if sharding == "full" else (False,):
-                                c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf)
+                                c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp)
                                 try:
                                     check_spec(c.spec())
                                 except ScheduleError:
@@ -131,7 +139,8 @@ def candidates(
 def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
     return build_costs(model, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
                        data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
-                       micro_batches=c.micro_batches, sharding=c.sharding)
+                       micro_batches=c.micro_batches, sharding=c.sharding, tensor_parallel=c.tensor_parallel,
+                       sequence_parallel=c.sequence_parallel)
 
 
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate, options: SimOptions = SimOptions(),
@@ -142,12 +151,13 @@ def simulate_candidate(model: Model, cluster: Cluster, c: Candidate, options: Si
 def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     """Bytes some rank certainly needs (checked before lowering and simulating): its state, and the
     activations a schedule must hold at once — breadth-first/GPipe run every forward of a group on all
-    local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches."""
+    local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches — plus one
+    backward's working set."""
     pp, worst = c.pipeline_parallel, 0.0
     for rank in range(pp):
         local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
         params = sum(st.params for st in local)
-        state = (STATE_BYTES / c.data_parallel if c.sharding == "full" else STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * params
+        state = state_bytes(params, c.sharding, c.data_parallel)
         act = sum(st.activation for st in local)
         if c.schedule in ("gpipe", "breadth_first"):
             live = c.micro_batches // c.groups * act
@@ -156,19 +166,19 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
         else:
             live = max(st.activation for st in local)
         gathered = WEIGHT_BYTES * max(st.params for st in local) if c.sharding == "full" else 0.0
-        worst = max(worst, state + live + gathered)
+        worst = max(worst, state + live + gathered + min(st.workspace for st in local))
     return worst
 
 
 def _family(c: Candidate) -> tuple:
-    return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding)
+    return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding,
+            c.tensor_parallel, c.sequence_parallel)
 
 
 def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
     """Cheap pre-filter: the sharded/replicated state of the heaviest rank alone must fit."""
-    per_rank = sum(model.layer_params()) / c.pipeline_parallel
-    state = STATE_BYTES * per_rank / (c.data_parallel if c.sharding == "full" else 1)
-    return state < cluster.device_memory
+    per_rank = sum(model.layer_params()) / (c.pipeline_parallel * c.tensor_parallel)
+    return state_bytes(per_rank, c.sharding, c.data_parallel) < cluster.usable_memory
 
 
 def search(
@@ -197,10 +207,10 @@ def search(
         if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
             continue
         costs = candidate_costs(model, cluster, c)
-        if not include_unfit and memory_lower_bound(c, costs) > cluster.device_memory:
+        if not include_unfit and memory_lower_bound(c, costs) > cluster.usable_memory:
             continue
         r = simulate(_schedule(c.spec()), costs, options, timeline=False)
-        fits = r.peak_memory <= cluster.device_memory
+        fits = r.peak_memory <= cluster.usable_memory
         if fits and not include_unfit:
             settled.add(family)
         if fits or include_unfit:
@@ -215,7 +225,7 @@ def search(
 
 
 def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
-    head = (f"{'#':>3} {'schedule':<13} {'pp':>3} {'dp':>4} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
+    head = (f"{'#':>3} {'schedule':<13} {'pp':>3} {'dp':>4} {'tp':>3} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
             f"{'shard':<5} {'raf':<5} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} {'exp.comm ms':>11}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(plans[:limit], 1):
@@ -223,7 +233,7 @@ def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
         bubble = "" if p.bubble is None else f"{p.bubble:.3f}"
         exposed = "" if p.exposed_comm is None else f"{p.exposed_comm * 1e3:.1f}"
         rows.append(
-            f"{i:>3} {c.schedule:<13} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.loops:>5} {c.micro_batches:>4} "
+            f"{i:>3} {c.schedule:<13} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}{'s' if c.sequence_parallel else ' '}{c.loops:>5} {c.micro_batches:>4} "
             f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
             f"{p.tokens_per_second_per_device:>11.1f} {p.step_time * 1e3:>9.1f} {p.peak_memory / 1e9:>8.2f} "
             f"{bubble:>7} {exposed:>11}"

@@ -1,7 +1,10 @@
 # Scope: discrete-event simulation of one training step. Plays exactly the per-rank action lists of
 # `build_schedule(spec).actions` (the lists the runtime executes) against `cost.Costs`: one compute
-# stream per pipeline rank plus an all-gather stream, a reduce stream and one p2p link per rank pair.
-# Data-parallel peers are symmetric, so only the pp ranks of one replica are simulated.
+# stream per pipeline rank plus an all-gather stream, a reduce stream and one p2p link per rank pair; all
+# inter-node transfers of a rank (its dp collectives, its outgoing pipeline messages) share one network
+# interface: collectives queue on it in issue order, and a pipeline message (small, latency-bound) goes
+# first, pushing the collectives in flight back by its own transfer time (the bytes still cross one wire). Data-parallel and tensor-parallel peers are symmetric, so only the pp
+# ranks of one replica's first tp slice are simulated.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +12,7 @@ from typing import NamedTuple
 
 from lightning_bfpp.schedule import Op, Schedule, ScheduleError
 
-from .cost import GRAD_BYTES, STATE_BYTES, WEIGHT_BYTES, Costs
+from .cost import GRAD_BYTES, WEIGHT_BYTES, Costs, state_bytes
 from .memory import MemoryReport, memory_report
 
 
@@ -55,6 +58,7 @@ class SimResult:
     tokens_per_step: int  # per replica
     pipeline_bubble: float | None = None  # bubble of the same step with free communication
     comm_free_step_time: float | None = None
+    tensor_parallel: int = 1  # devices per simulated pipeline rank
 
     @property
     def bubble(self) -> float:
@@ -69,7 +73,8 @@ class SimResult:
 
     @property
     def tokens_per_second_per_device(self) -> float:
-        return self.tokens_per_step / self.step_time / len(self.busy) if self.step_time else 0.0
+        devices = len(self.busy) * self.tensor_parallel
+        return self.tokens_per_step / self.step_time / devices if self.step_time else 0.0
 
     @property
     def peak_memory(self) -> float:
@@ -80,11 +85,14 @@ class SimResult:
 
 
 class _Rank:
-    __slots__ = ("rank", "program", "pc", "host", "ag_free", "rs_free", "ready", "busy", "deferred", "mem", "grads")
+    __slots__ = ("rank", "program", "pc", "host", "ag_free", "rs_free", "nic", "ag_stage", "ready", "busy", "deferred",
+                 "mem", "grads")
 
     def __init__(self, rank: int, program):
         self.rank, self.program, self.pc = rank, program, 0
         self.host = self.ag_free = self.rs_free = self.busy = 0.0
+        self.nic = 0.0  # time the rank's network interface is free of collectives (inter-node transfers only)
+        self.ag_stage = -1  # stage of the last inter-node all-gather
         self.ready: dict[int, float] = {}  # stage -> time its gathered weights are usable
         self.deferred: list[int] = []
         self.mem: list[tuple[float, float, str]] = []  # (time, bytes delta, category)
@@ -142,6 +150,7 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
     events: list[Event] = []
     stages = costs.stages
     blocking_p2p, reduce_at_end, blocking_reduce = options.blocking_p2p, options.reduce_at_end, options.blocking_reduce
+    inter_links = costs.p2p_inter
 
     def run(r: _Rank) -> bool:
         """Play r's actions until one waits on data not yet produced; return whether any ran."""
@@ -171,6 +180,9 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
                 else:
                     dur = st.backward
                     r.mem.append((t0 + dur, -st.activation, "activations"))
+                    if st.workspace:
+                        r.mem.append((t0, st.workspace, "workspace"))
+                        r.mem.append((t0 + dur, -st.workspace, "workspace"))
                     if full and s not in r.grads:
                         r.grads.add(s)
                         r.mem.append((t0, GRAD_BYTES * st.params, "gradients"))
@@ -186,6 +198,8 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
                 t0 = max(r.host, links.get(link, 0.0))
                 t1 = t0 + costs.p2p_time(*link)
                 links[link] = t1
+                if link in inter_links and r.nic > t0:
+                    _share_nic(r, t0, t1 - t0)
                 inputs[a[4]] = t1
                 if timeline and t1 > t0:
                     events.append(Event(r.rank, a[5], s, a[2], t0, t1))
@@ -193,8 +207,10 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
                     r.host = t1
             elif code == _UNSHARD:
                 if full:
-                    t0 = max(r.host, r.ag_free)
+                    t0 = max(r.host, r.ag_free, r.nic if st.inter_node else 0.0)
                     r.ag_free = r.ready[s] = t0 + st.unshard
+                    if st.inter_node:
+                        r.nic, r.ag_stage = r.ag_free, s
                     r.mem.append((t0, WEIGHT_BYTES * st.params, "weights"))
                     if timeline and st.unshard:
                         events.append(Event(r.rank, "UNSHARD", s, None, t0, r.ag_free))
@@ -229,25 +245,38 @@ def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(
         for s in r.deferred:
             r.rs_free = max(r.rs_free, r.host)
             _reduce(r, s, costs, full, events if timeline else None)
-    link_end = {src: t for (src, _), t in links.items()}
+    link_end: dict[int, float] = {}
+    for (src, _), t in links.items():  # a rank's last message may be on any of its links
+        link_end[src] = max(link_end.get(src, 0.0), t)
     ends = [max(r.host + costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in ranks]
     step_time = max(ends)
     memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), costs)) for r in ranks]
-    return SimResult(schedule, step_time, events, [r.busy for r in ranks], memory, costs.tokens_per_step)
+    return SimResult(schedule, step_time, events, [r.busy for r in ranks], memory, costs.tokens_per_step,
+                     tensor_parallel=costs.tensor_parallel)
 
 
 def _static_bytes(stages: list[int], costs: Costs) -> float:
-    """Bytes held for the whole step: sharded (full) or replicated (none) parameter/optimizer state."""
-    params = sum(costs.stages[s].params for s in stages)
-    if costs.sharding == "full":
-        return STATE_BYTES * params / costs.data_parallel
-    return (STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * params
+    """Bytes held for the whole step: the parameter/optimizer state of the rank's stages."""
+    return state_bytes(sum(costs.stages[s].params for s in stages), costs.sharding, costs.data_parallel)
+
+
+def _share_nic(r: _Rank, t: float, delay: float) -> None:
+    """A pipeline message of `delay` seconds crosses the interface at `t`: inter-node collectives still in
+    flight finish that much later."""
+    if r.ag_stage >= 0 and r.ag_free > t:
+        r.ag_free += delay
+        r.ready[r.ag_stage] = r.ag_free
+    if r.rs_free > t:
+        r.rs_free += delay
+    r.nic += delay
 
 
 def _reduce(r: _Rank, s: int, costs: Costs, full: bool, events: list | None) -> None:
     st = costs.stages[s]
-    t0 = max(r.host, r.rs_free)
+    t0 = max(r.host, r.rs_free, r.nic if st.inter_node else 0.0)
     r.rs_free = t0 + st.reduce
+    if st.inter_node:
+        r.nic = r.rs_free
     if events is not None and st.reduce:
         events.append(Event(r.rank, "REDUCE", s, None, t0, r.rs_free))
     if full and s in r.grads:

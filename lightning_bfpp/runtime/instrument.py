@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 class Timeline:
@@ -54,7 +55,7 @@ class SavedActivationMeter:
         """Note the storages of the parameters registered right now. FSDP2 registers the gathered
         (unsharded) parameters while a stage is unsharded, so weights autograd saves (e.g. `weight.t()`)
         are not activations. Re-read at every storage not known yet (cost: one pass over the local
-        parameters per saved activation)."""
+        parameters per saved activation; only under FSDP2, the one thing that swaps parameters mid-step)."""
         self._param_ptrs = {
             (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
             for module in self._modules
@@ -65,6 +66,7 @@ class SavedActivationMeter:
     def track(self, exclude: Iterable[torch.Tensor] = ()):
         batch_ptrs = {t.untyped_storage().data_ptr() for t in exclude}
         self.refresh()
+        swapped = any(isinstance(m, FSDPModule) for module in self._modules for m in module.modules())
         meter = self
 
         class _Held:
@@ -93,7 +95,7 @@ class SavedActivationMeter:
                 return t
             storage = _local(t).untyped_storage()  # a DTensor (tensor parallel): its local part's storage
             ptr = storage.data_ptr()
-            if ptr not in meter._param_ptrs and ptr not in batch_ptrs:
+            if swapped and ptr not in meter._param_ptrs and ptr not in batch_ptrs:
                 meter.refresh()  # FSDP2 may have swapped in gathered parameters since the last look
             if ptr in batch_ptrs or ptr in meter._param_ptrs:
                 return t

@@ -102,6 +102,8 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._peers: dict[int, int] = {}  # rank -> pid, for peers on this host
+        self._step: int | None = None  # the training step this rank has reached (`progress`)
+        self._published_step: int | None = None  # the last one written to the store
 
     # ---- lifecycle (main thread) ---------------------------------------------------------------------
     def start(self) -> None:
@@ -163,6 +165,11 @@ class Watchdog:
             if culprit or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
+        if not posted and not culprit:
+            try:
+                self._publish_step(self._store)  # this rank's own step is current before comparing
+            except Exception:
+                pass
         code, culprit = posted or (FAILED, culprit or f"rank {self.rank} failed: {type(error).__name__}: {summary}{self._laggards()}")
         try:
             code, culprit = self._post(self._store, code, culprit)
@@ -174,8 +181,15 @@ class Watchdog:
         return message
 
     def progress(self, step: int) -> None:
-        """Note the training step this rank has reached (named when a wait times out on a stuck rank)."""
-        self._store.set(self._key("step", self.rank), str(step))
+        """Note the training step this rank has reached (named when a wait times out on a stuck rank). Only noted
+        here: the watching thread writes it to the store (within `interval` seconds), off the training step."""
+        self._step = step
+
+    def _publish_step(self, store) -> None:
+        step = self._step
+        if step is not None and step != self._published_step:
+            store.set(self._key("step", self.rank), str(step))
+            self._published_step = step
 
     def _laggards(self) -> str:
         """'; rank 3 did not reach step N ...' when some ranks are behind the step the others are in."""
@@ -226,6 +240,7 @@ class Watchdog:
                 self._exit(code, reason)
                 return
             try:
+                self._publish_step(store)
                 if store.check([self._key("failed")]):
                     code, posted = _decode(store.get(self._key("failed")))
                     if code != FAILED or not posted.startswith(f"rank {self.rank} "):

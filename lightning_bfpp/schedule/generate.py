@@ -28,12 +28,6 @@ def check_spec(spec: ScheduleSpec) -> None:
             f"micro_batches={m} must be divisible by groups={groups}; e.g. micro_batches={-(-m // groups) * groups}, "
             f"or groups=1."
         )
-    if spec.name == "breadth_first" and loops > 1 and m // groups < pp:
-        raise ScheduleError(
-            f"schedule=breadth_first with loops={loops} needs at least pipeline_parallel={pp} micro-batches per "
-            f"group (micro_batches={m}, groups={groups}); raise micro_batches (e.g. micro_batches={pp * groups}) "
-            f"or lower groups, or use loops=1."
-        )
     if spec.name == "depth_first" and loops > 1 and m % pp:
         raise ScheduleError(
             f"schedule=depth_first with loops={loops} needs micro_batches ({m}) divisible by "

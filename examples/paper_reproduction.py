@@ -20,15 +20,22 @@ from lightning_bfpp.sim import MEGATRON, Cluster, Model, SimOptions
 from lightning_bfpp.sim.planner import search, simulate_candidate
 
 ROOT = Path(__file__).resolve().parents[1]
-BETAS = (0.25, 0.5, 1, 2, 4, 8)  # batch size (sequences) per GPU
-MODES = {  # label: (schedules, shardings, waits, (min pp, max pp))
-    "breadth_first": (["breadth_first"], ["full"], SimOptions(), (2, None)),
-    "depth_first": (["depth_first"], ["full"], SimOptions(), (2, None)),
-    "1f1b": (["1f1b"], ["full"], SimOptions(), (2, None)),
-    "gpipe": (["gpipe"], ["full"], SimOptions(), (2, None)),
-    # pp=1: plain FSDP with gradient accumulation; loops cut the model into FSDP units (bf order = prefetch)
-    "fsdp_only": (["1f1b", "breadth_first"], ["full"], SimOptions(), (1, 1)),
-    "megatron_like": (["1f1b", "depth_first"], ["none"], MEGATRON, (2, None)),
+BETAS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # batch size (sequences) per GPU
+# label: (schedules, shardings, waits, (min pp, max pp), tensor-parallel sizes, sequence parallel)
+MODES = {
+    "breadth_first": (["breadth_first"], ["full"], SimOptions(), (2, None), None, False),
+    "depth_first": (["depth_first"], ["full"], SimOptions(), (2, None), None, False),
+    "1f1b": (["1f1b"], ["full"], SimOptions(), (2, None), None, False),
+    "gpipe": (["gpipe"], ["full"], SimOptions(), (2, None), None, False),
+    # Megatron-LM as it runs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+    # Clusters Using Megatron-LM"; Korthikanti et al. 2022 "Reducing Activation Recomputation"; Megatron-LM's
+    # distributed-optimizer docs): tp = 8 inside a node with sequence parallel, pp across nodes, 1F1B or
+    # interleaved 1F1B (= depth_first; only when pp > 2, as Megatron requires), distributed optimizer
+    # (optimizer state / dp, bf16 weights and fp32 main grads whole), gradient reduce-scatter + parameter
+    # all-gather after the last backward, not overlapped; blocking p2p (sim.MEGATRON).
+    "megatron_like": (["1f1b", "depth_first"], ["optimizer"], MEGATRON, (1, None), (8,), True),
+    # the planner's pick: every schedule, pp, tp, sharding (full / none) our runtime can run
+    "planner": (["gpipe", "1f1b", "depth_first", "breadth_first"], ["full", "none"], SimOptions(), (1, None), None, False),
 }
 
 
@@ -39,18 +46,24 @@ def load(model: str, cluster: str) -> tuple[Model, Cluster]:
 
 
 def best(model: Model, cluster: Cluster, beta: float, mode: str):
-    schedules, shardings, options, (min_pp, max_pp) = MODES[mode]
+    schedules, shardings, options, (min_pp, max_pp), tps, sp = MODES[mode]
     batch = int(beta * cluster.world_size)
-    plans = search(model, cluster, batch, options=options, top=1, schedules=schedules, shardings=shardings,
-                   min_pipeline_parallel=min_pp, max_pipeline_parallel=max_pp, max_micro_batches=128)
-    return plans[0] if plans else None
+    found = []
+    for name in schedules:  # interleaved 1F1B only with pp > 2 (Megatron-LM's rule)
+        lo = max(min_pp, 3) if mode == "megatron_like" and name == "depth_first" else min_pp
+        found += search(model, cluster, batch, options=options, top=1, schedules=[name], shardings=shardings,
+                        min_pipeline_parallel=lo, max_pipeline_parallel=max_pp, max_micro_batches=128,
+                        tensor_parallels=tps, sequence_parallels=(sp,))
+    found = [p for p in found if p.fits]
+    return max(found, key=lambda p: p.tokens_per_second_per_device) if found else None
 
 
 def possible(cluster: Cluster, beta: float, mode: str) -> bool:
     """Whether any layout exists at all (the global batch must split over dp = world / pp replicas)."""
-    batch, (min_pp, max_pp) = int(beta * cluster.world_size), MODES[mode][3]
+    batch, (min_pp, max_pp), tps = int(beta * cluster.world_size), MODES[mode][3], MODES[mode][4] or (1, 2, 4, 8)
     pps = [p for p in range(min_pp, (max_pp or cluster.world_size) + 1) if cluster.world_size % p == 0]
-    return any(batch % (cluster.world_size // pp) == 0 for pp in pps)
+    return any(batch and cluster.world_size % (pp * t) == 0 and batch % (cluster.world_size // (pp * t)) == 0
+               for pp in pps for t in tps)
 
 
 def sweep(model: Model, cluster: Cluster, betas=BETAS, modes=tuple(MODES)) -> dict:
@@ -70,7 +83,8 @@ def _layout(p) -> str:
     c = p.candidate
     extra = f" g{c.groups}" if c.groups > 1 else ""
     extra += " raf" if c.reshard_after_forward else ""
-    return f"pp{c.pipeline_parallel} l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}"
+    extra += f" {c.sharding}" if c.sharding != "full" else ""
+    return f"{c.schedule[:5]} tp{c.tensor_parallel} pp{c.pipeline_parallel} l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}"
 
 
 def _ratio(a, b) -> str:
@@ -80,8 +94,8 @@ def _ratio(a, b) -> str:
 
 
 def tables(results: dict, betas, peak: float, flops_per_token: float) -> str:
-    rows = ["| batch/GPU | BF | DF | 1F1B | GPipe | FSDP pp=1 | Megatron-like | BF/DF | BF/1F1B | BF/Megatron | BF MFU |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| batch/GPU | " + " | ".join(MODES) + " | BF/DF | BF/1F1B | BF/Megatron | BF MFU |",
+            "|---" * (len(MODES) + 5) + "|"]
     for beta in betas:
         r = {m: results[(beta, m)] for m in MODES}
         bf = r["breadth_first"]
@@ -95,22 +109,22 @@ def tables(results: dict, betas, peak: float, flops_per_token: float) -> str:
     return "\n".join(rows)
 
 
-def figure(results: dict, betas, path: Path, title: str) -> None:
+def figure(results: dict, betas, path: Path, title: str, flops_per_token: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    style = {"breadth_first": "o-", "depth_first": "s--", "1f1b": "^-.", "gpipe": "v:", "fsdp_only": "x:",
+    style = {"breadth_first": "o-", "depth_first": "s--", "1f1b": "^-.", "gpipe": "v:", "planner": "k*:",
              "megatron_like": "D-"}
     for mode in MODES:
         xs = [b for b in betas if results[(b, mode)] not in (None, "n/a")]
-        ys = [results[(b, mode)].tokens_per_second_per_device for b in xs]
+        ys = [results[(b, mode)].tokens_per_second_per_device * flops_per_token / 1e12 for b in xs]
         ax.plot(xs, ys, style[mode], label=mode.replace("_", " "))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size per GPU (sequences of 1024 tokens)")
-    ax.set_ylabel("simulated tokens/s per GPU")
+    ax.set_ylabel("simulated model TFLOP/s per GPU")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -152,6 +166,7 @@ def main() -> None:
     parser.add_argument("--cluster", default="a100_paper")
     parser.add_argument("--out", default=str(ROOT / "docs"))
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes, no sensitivity tables")
+    parser.add_argument("--full", action="store_true", help="also activation checkpointing and achieved-compute tables")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,21 +178,29 @@ def main() -> None:
     sections = []
     results = sweep(model, cluster, betas)
     figure(results, betas, out / "paper_reproduction_throughput.png",
-           f"{args.model} on {cluster.world_size} GPUs ({args.cluster}), best layout per schedule")
+           f"{args.model} on {cluster.world_size} GPUs ({args.cluster}), best layout per schedule", model.flops_per_token())
+    small = replace(cluster, num_nodes=8)
+    results64 = sweep(model, small, betas)
+    figure(results64, betas, out / "paper_reproduction_throughput_64.png",
+           f"{args.model} on {small.world_size} GPUs, best layout per schedule", model.flops_per_token())
+    sections.append((f"{small.world_size} GPUs (no activation checkpointing)",
+                     tables(results64, betas, peak, model.flops_per_token())))
     sections.append(("Main sweep (model as in conf/model, no activation checkpointing)",
                      tables(results, betas, peak, model.flops_per_token())))
 
-    ckpt = replace(model, checkpointing=True)
-    results_ckpt = sweep(ckpt, cluster, betas)
-    figure(results_ckpt, betas, out / "paper_reproduction_throughput_ckpt.png",
-           f"{args.model} + activation checkpointing on {cluster.world_size} GPUs, best layout per schedule")
-    sections.append(("With activation checkpointing (backward = 3 x forward)",
-                     tables(results_ckpt, betas, peak, model.flops_per_token())))
-    if not args.quick:
-        sections.append(("Sensitivity to inter-node bandwidth (no checkpointing)",
-                         sensitivity(model, cluster, (6.25, 12.5, 25, 50, 100), (0.5, 1, 4))))
+    if args.full:
+        ckpt = replace(model, checkpointing=True)
+        results_ckpt = sweep(ckpt, cluster, betas)
+        figure(results_ckpt, betas, out / "paper_reproduction_throughput_ckpt.png",
+               f"{args.model} + activation checkpointing on {cluster.world_size} GPUs, best layout per schedule",
+               model.flops_per_token())
+        sections.append(("With activation checkpointing (backward = 3 x forward)",
+                         tables(results_ckpt, betas, peak, model.flops_per_token())))
         sections.append(("Sensitivity to achieved compute (no checkpointing, 25 GB/s)",
                          sensitivity_flops(model, cluster, peak, (0.3, 0.5, 0.7), (0.5, 1, 4))))
+    if not args.quick:
+        sections.append(("Sensitivity to inter-node bandwidth (no checkpointing)",
+                         sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 1, 2))))
     bf1 = results.get((1, "breadth_first"))
     if bf1 not in (None, "n/a"):
         gantt(model, cluster, bf1, out / "paper_reproduction_bf_gantt.png")

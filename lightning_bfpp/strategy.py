@@ -66,8 +66,8 @@ class BFPPStrategy(ModelParallelStrategy):
         groups: breadth_first only: sequential accumulation groups of micro-batches.
         sharding: "full" (FSDP2 over data parallel) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward.
-        stage_layers: explicit layer count per stage; "auto": balanced by time (global rank 0 times every layer's
-            forward+backward on one micro-batch of the training data at setup, every rank cuts by those times;
+        stage_layers: explicit layer count per stage; "auto": balanced by time (every rank times every layer's
+            forward+backward on one micro-batch of the training data at setup; all cut by the minimum over ranks;
             logged, and kept as ``stage_times_s``); default (None): balanced by parameter count.
         activation_checkpointing: recompute every layer of every local stage in backward (one extra forward
             per layer) instead of keeping its activations; only each layer's inputs stay saved.
@@ -429,13 +429,14 @@ class BFPPStrategy(ModelParallelStrategy):
         )
 
     def _auto_stage_layers(self, module, layers: list) -> list[int]:
-        """stage_layers="auto": global rank 0 times each layer (``runtime.layer_cost``) and broadcasts the times, so
-        every rank cuts the same stages; the cut and the per-stage times are logged."""
-        times = None
-        if self.global_rank == 0:
-            inputs, target = sample_micro_batch(module, module.trainer, self.spec.micro_batches)
-            times = measure_layer_times(module, layers, inputs, target, module.pipeline_loss, self.root_device)
-        times = self.broadcast(times)
+        """stage_layers="auto": every rank times each layer (``runtime.layer_cost``); the minimum over ranks (the
+        least disturbed sample, identical everywhere) decides the cut; the cut and the per-stage times are logged."""
+        inputs, target = sample_micro_batch(module, module.trainer, self.spec.micro_batches)
+        measured = measure_layer_times(module, layers, inputs, target, module.pipeline_loss, self.root_device, repeats=5)
+        times_t = torch.tensor(measured, dtype=torch.float64, device=self.root_device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(times_t, op=dist.ReduceOp.MIN)
+        times = times_t.tolist()
         counts = time_balanced_layout(times, self.spec.num_stages)
         self.stage_times_s = stage_sums(times, counts)
         by_params = balanced_layout([sum(p.numel() for p in layer.parameters()) for layer in layers], self.spec.num_stages)

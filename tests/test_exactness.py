@@ -47,7 +47,7 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first", "accumulate": 2, "clip": 0.05},
     {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "eval": True},
     {"pp": 2, "loops": 2, "m": 2, "tied": True},
-    {"pp": 2, "loops": 2, "m": 2, "stage_layers": "auto"},  # cut by measured layer times (rank 0's, broadcast)
+    {"pp": 2, "loops": 2, "m": 2, "stage_layers": "auto"},  # cut by measured layer times (minimum over ranks)
     {"pp": 2, "loops": 2, "m": 1},  # looped breadth-first with fewer micro-batches than pipeline ranks (a bubble)
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).

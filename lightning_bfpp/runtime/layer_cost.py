@@ -2,7 +2,6 @@
 # run's device before the model is cut, and the cut that minimises the slowest stage by those times.
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,8 +48,10 @@ def measure_layer_times(
     warmup: int = 1,
     repeats: int = 3,
 ) -> list[float]:
-    """Seconds of forward + backward of each layer (median of `repeats` after `warmup`), on one micro-batch
-    (`inputs`, `target`: ``pipeline_inputs`` of a micro-batch), the last layer with ``loss_fn``.
+    """Seconds of forward + backward of each layer on one micro-batch (`inputs`, `target`: ``pipeline_inputs`` of
+    a micro-batch), the last layer with ``loss_fn``: the fastest of `repeats` passes over all layers after
+    `warmup` passes (passes, not per-layer repeats, so a burst of load on a shared machine hits every layer, and
+    the minimum drops what other processes added).
 
     Each layer runs as a one-layer stage (side inputs and keyword plumbing as in the pipeline), on `device`
     (moved there for its measurement and back). Leaves no trace: RNG states, buffers and ``.grad`` are restored.
@@ -62,42 +63,41 @@ def measure_layer_times(
     buffers = [(b, b.detach().clone()) for b in root.buffers()]
     kwargs = input_kwargs(_to(inputs, device)) if side is not None else {}
     target = _to(target, device)
-    times: list[float] = []
+    n = len(described)
+    stages = [StageModule(layer.parts, i, 0, calls=[(layer.name, layer.module)], side_inputs=side, last=i == n - 1)
+              for i, layer in enumerate(described)]
+    layer_inputs: list[Any] = [_to(inputs, device)]  # filled by the first pass
+    samples: list[list[float]] = [[] for _ in range(n)]
     rng_devices = [device] if device.type != "cpu" else []
     with torch.random.fork_rng(devices=rng_devices, device_type=device.type if rng_devices else "cuda"):
-        out: Any = _to(inputs, device)
-        for i, layer in enumerate(described):
-            home = {id(m): next(m.parameters(), None) for _, m in layer.parts}
-            for _, mod in layer.parts:
-                mod.to(device)
-            stage = StageModule(layer.parts, i, 0, calls=[(layer.name, layer.module)], side_inputs=side,
-                                last=i == len(described) - 1)
-            samples = []
-            for r in range(warmup + repeats):
-                args = _fresh(out)
+        for r in range(max(warmup, 1) + repeats):
+            for i, layer in enumerate(described):
+                home = [(mod, next(mod.parameters(), None)) for _, mod in layer.parts]
+                for mod, _ in home:
+                    mod.to(device)
+                args = _fresh(layer_inputs[i])
                 _sync(device)
                 start = time.perf_counter()
-                y = stage(*args, **kwargs)
-                if i == len(described) - 1 and target is not None:
+                y = stages[i](*args, **kwargs)
+                if i == n - 1 and target is not None:
                     loss_fn(y, target).backward()
                 else:
                     outs = [t for t in _tensors(y) if t.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
                 _sync(device)
-                if r >= warmup:
-                    samples.append(time.perf_counter() - start)
-            times.append(statistics.median(samples))
-            out = y.detach() if isinstance(y, torch.Tensor) else tuple(_tensors(y))
-            for _, mod in layer.parts:  # back where the layer was (before the strategy moves the model)
-                first = home[id(mod)]
-                if first is not None:
-                    mod.to(first.device)
+                if r >= max(warmup, 1):
+                    samples[i].append(time.perf_counter() - start)
+                elif r == 0 and i + 1 < n:
+                    layer_inputs.append(y.detach() if isinstance(y, torch.Tensor) else tuple(_tensors(y)))
+                for mod, first in home:  # back where the layer was (before the strategy moves the model)
+                    if first is not None:
+                        mod.to(first.device)
     for p, g in zip(params, grads):
         p.grad = g
     with torch.no_grad():
         for b, saved in buffers:
             b.copy_(saved)
-    return times
+    return [min(s) for s in samples]
 
 
 def sample_micro_batch(module: Any, trainer: Any, micro_batches: int) -> tuple[Any, Any]:

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
             "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size", "trainer.max_steps")
 OPTIMIZERS = ("adamw", "sgd")  # examples/gpt.py GPT.configure_optimizers
+FAMILIES = ("gpt", "hf_gpt2", "hf_llama")  # model.family: examples/train.py build_model
 # Trainer arguments examples/train.py sets from other keys: `trainer.<key>` would be overridden or conflict.
 SET_ELSEWHERE = {
     "accelerator": "cluster.accelerator", "devices": "cluster.devices", "num_nodes": "cluster.num_nodes",
@@ -95,6 +96,15 @@ def check_model_and_data(cfg: DictConfig) -> None:
     def get(key: str):
         return OmegaConf.select(cfg, key)
 
+    family = get("model.family") or "gpt"
+    if family not in FAMILIES:
+        raise ConfigError(f"model.family={family!r} is unknown; use one of {', '.join(FAMILIES)} (e.g. model=hf_llama_tiny).")
+    if family != "gpt":
+        try:
+            import transformers  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
+                              "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
     for key in POSITIVE + (("data.stride",) if get("data.stride") is not None else ()):
         if not _is_positive_int(get(key)):
             raise ConfigError(f"{key}={get(key)!r} must be a positive integer; set {key}=1 or more.")
@@ -165,7 +175,7 @@ def check_layout(cfg: DictConfig) -> int | None:
                 f"schedule.tensor_parallel in {fits}."
             )
         n_layer = get("model.n_layer")
-        stages, layers = pp * loops, n_layer + 2  # embedding + blocks + head
+        stages, layers = pp * loops, n_layer + 2  # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
         if stages > layers:
             fix = f"schedule.loops={layers // pp}" if layers >= pp else f"schedule.pipeline_parallel<={layers}"
             raise ConfigError(

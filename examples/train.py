@@ -1,5 +1,7 @@
-# Scope: the Hydra entry point — train the example GPT on the stdlib byte corpus with any schedule.
+# Scope: the Hydra entry point — train the example GPT (or a random-init Hugging Face GPT-2/Llama: model.family)
+# on the stdlib byte corpus with any schedule.
 #   python examples/train.py                                   # defaults: conf/train.yaml
+#   python examples/train.py model=hf_llama_tiny cluster=cpu_2 # lightning_bfpp.hf.CausalLM (pip install lightning-bfpp[hf])
 #   python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
 #   python examples/train.py -m schedule=breadth_first,depth_first
 #   torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
@@ -28,6 +30,7 @@ from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
 from lightning_bfpp.data import CorpusDataModule  # noqa: E402
+from lightning_bfpp.hf import CausalLM  # noqa: E402  (imports no transformers)
 from lightning_bfpp.metrics import PipelineMetrics  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,47 @@ def model_config(cfg: DictConfig) -> GPTConfig:
     if cfg.trainer.strategy == "bfpp":
         model_cfg = dataclasses.replace(model_cfg, activation_checkpointing=False)
     return model_cfg
+
+
+class HFCausalLM(CausalLM):
+    """A Hugging Face causal LM with the app's optimizer: the example GPT's parameter groups (no weight decay on
+    biases and norms) and warmup + cosine schedule, from `optim.*`."""
+
+    def __init__(self, model, optim: OptimConfig) -> None:
+        super().__init__(model)
+        self.optim = optim
+
+    configure_optimizers = GPT.configure_optimizers  # uses only self.optim, self.parameters() and self.trainer
+
+
+def hf_model(m: DictConfig):
+    """A random-init GPT2LMHeadModel (model.family=hf_gpt2) or LlamaForCausalLM (hf_llama) from `model.*`, built
+    locally: nothing is downloaded."""
+    import transformers
+
+    common = dict(vocab_size=m.vocab_size, tie_word_embeddings=m.tie_weights, attn_implementation=m.attn_implementation)
+    if m.family == "hf_gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, n_positions=m.block_size, resid_pdrop=m.dropout,
+            embd_pdrop=m.dropout, attn_pdrop=m.dropout, bos_token_id=0, eos_token_id=0, **common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_kv_head, hidden_size=m.n_embd,
+        intermediate_size=m.intermediate_size, max_position_embeddings=m.block_size, attention_dropout=m.dropout,
+        bos_token_id=0, eos_token_id=0, **common))
+
+
+def build_model(cfg: DictConfig) -> L.LightningModule:
+    """The model of `model.family`: gpt (examples/gpt.py; the default) or hf_gpt2 / hf_llama (hf_model, wrapped by
+    lightning_bfpp.hf.CausalLM: n_layer + 2 pipeline layers like the GPT). Activation checkpointing under strategy=auto:
+    the GPT's blocks, or Hugging Face's own gradient checkpointing; under bfpp the strategy's (build_strategy)."""
+    optim = from_config(OptimConfig, cfg.optim)
+    optim.betas = tuple(optim.betas)
+    if cfg.model.get("family", "gpt") == "gpt":
+        return GPT(model_config(cfg), optim)
+    model = hf_model(cfg.model)
+    if cfg.model.activation_checkpointing and cfg.trainer.strategy != "bfpp":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return HFCausalLM(model, optim)
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -196,10 +240,7 @@ def checkpoint_callback(cfg: DictConfig, run_dir: Path) -> ModelCheckpoint | Non
 
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     L.seed_everything(cfg.data.seed, workers=True)
-    model_cfg = model_config(cfg)
-    optim = from_config(OptimConfig, cfg.optim)
-    optim.betas = tuple(optim.betas)
-    model = GPT(model_cfg, optim)
+    model = build_model(cfg)
     data_keys = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
     datamodule = CorpusDataModule(**data_keys)
 
@@ -210,7 +251,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     tp = s.get("tensor_parallel", 1) if bfpp else 1
     layout = {"world_size": world_size(cfg), "data_parallel": world_size(cfg) // (pp * tp), "params": n_params}
     metrics = PipelineMetrics(
-        flops_per_token=flops_per_token(model_cfg, n_params),
+        # 6 N + 12 L C T (model.n_layer, n_embd, block_size): also for the HF models (N counts SwiGLU and GQA as built)
+        flops_per_token=flops_per_token(cfg.model, n_params),
         peak_flops=cfg.cluster.peak_flops,
         out_dir=run_dir,
         summary_extra={"model": cfg.model.name, "cluster": cfg.cluster.name, "params": n_params,

@@ -18,21 +18,29 @@ def theory(pp: int, loops: int, m: int) -> float:
 
 
 def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: int, pp: int = 2,
-        micro_batches: int = 4) -> dict:
+        micro_batches: int = 4, stage_layers: tuple = (None,)) -> dict:
+    """`stage_layers`: the cuts to compare in the same launch (None: by parameter count, "auto": by time);
+    rows of a cut other than None are labelled schedule/cut."""
+    labels = [(label if cut is None else f"{label}/{cut}", schedule, loops, cut)
+              for cut in stage_layers for label, schedule, loops in SCHEDULES]
     variants = [{"kind": "bfpp", "model": model, "batch": batch, "steps": steps, "pp": pp, "loops": loops,
-                 "m": micro_batches, "schedule": schedule, "label": label} for label, schedule, loops in SCHEDULES]
+                 "m": micro_batches, "schedule": schedule, "label": label, "stage_layers": cut,
+                 "measure": 1}  # step_stats on every step (measured on demand otherwise: the last step only)
+                for label, schedule, loops, cut in labels]
     jobs = [job for i in range(rounds) for job in rotate(variants, i)]
     results = launch(out, pp, jobs)
-    bubbles: dict[str, list[float]] = {label: [] for label, _, _ in SCHEDULES}
-    compute: dict[str, list[float]] = {label: [] for label, _, _ in SCHEDULES}
-    activations: dict[str, list[int]] = {label: [] for label, _, _ in SCHEDULES}
+    bubbles: dict[str, list[float]] = {label: [] for label, *_ in labels}
+    compute: dict[str, list[float]] = {label: [] for label, *_ in labels}
+    activations: dict[str, list[int]] = {label: [] for label, *_ in labels}
+    periods: dict[str, list[float]] = {label: [] for label, *_ in labels}
     for job, res in zip(jobs, results):
         stats = res["rank0"]["stats"][warmup:]  # identical on every rank (max over ranks)
         bubbles[job["label"]].append(statistics.median(s["bubble_fraction"] for s in stats))
         compute[job["label"]].append(statistics.median(s["compute_s"] / s["step_s"] for s in stats))
         activations[job["label"]].append(max(r["memory"]["activation_peak_bytes"] for r in res.values()))
+        periods[job["label"]].append(statistics.median(res["rank0"]["period_s"][warmup : steps - 1]))
     rows = {}
-    for label, _, loops in SCHEDULES:
+    for label, _, loops, cut in labels:
         expected = theory(pp, loops, micro_batches)
         measured = summarize(bubbles[label])
         rows[label] = {
@@ -40,10 +48,10 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             "abs_error": abs(measured["median"] - expected),
             "busy_fraction_of_step": summarize(compute[label]),
             "activation_peak_bytes": max(activations[label]),
-            "activation_vs_breadth_first": None,
+            "activation_vs_breadth_first": None, "stage_layers": cut, "period_s": summarize(periods[label]),
         }
     for row in rows.values():
         row["activation_vs_breadth_first"] = row["activation_peak_bytes"] / rows["breadth_first"]["activation_peak_bytes"]
     return {"setting": {"model": model, "batch": batch, "pp": pp, "m": micro_batches, "rounds": rounds,
                         "steps": steps, "warmup": warmup, "processes": pp, "threads_per_process": 1},
-            "schedules": rows, "max_abs_error": max(r["abs_error"] for r in rows.values())}
+            "schedules": rows, "max_abs_error": max(r["abs_error"] for r in rows.values() if r["stage_layers"] is None)}

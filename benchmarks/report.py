@@ -53,11 +53,24 @@ def tables(s: dict) -> str:
         out.append(f"| 1 process | {fmt(p4['single_period_s'])} s | {p4['samples_per_s_single']:.2f} |")
         out.append(f"| bfpp pp=2 | {fmt(p4['bfpp_period_s'])} s | {p4['samples_per_s_bfpp']:.2f} |")
         out.append(f"| speedup | {fmt(p4['speedup'])} | |")
+        if "speedup_auto" in p4:
+            out.append(f"| bfpp pp=2, stage_layers=\"auto\" | {fmt(p4['bfpp_auto_period_s'])} s | "
+                       f"{p4['setting']['batch'] / p4['bfpp_auto_period_s']['median']:.2f} |")
+            out.append(f"| speedup, \"auto\" | {fmt(p4['speedup_auto'])} | |")
+            out.append(f"| \"auto\" ÷ parameter cut (throughput) | {fmt(p4['auto_over_param_throughput'])} | |")
         b = p4.get("breakdown_s")
         if b:
             out.append(f"\npp=2 step breakdown (s): ideal (half the single step) {b['ideal_half_of_single']:.3f}; "
                        f"busy compute {b['compute']:.3f}; pipeline idle {b['pipeline_idle']:.3f}; "
                        f"outside the schedule (optimizer, Lightning) {b['outside_schedule']:.3f}")
+    if "torch" in d:
+        t = d["torch"]
+        out.append(f"\n**bfpp vs torch's own schedule classes** (same stages and micro-batches, pp={t['setting']['pp']}, "
+                   f"m={t['setting']['m']}; ratio per round = bfpp ÷ torch throughput, median (min–max))\n")
+        out.append("| torch class | bfpp schedule | loops | torch period | bfpp period | bfpp ÷ torch |\n|---|---|---|---|---|---|")
+        for cls, r in t["schedules"].items():
+            out.append(f"| {cls} | {r['bfpp_schedule']} | {r['loops']} | {fmt(r['torch_period_s'])} s | "
+                       f"{fmt(r['bfpp_period_s'])} s | {fmt(r['ratio'])} |")
     if "p5" in d:
         p5 = d["p5"]
         out.append(f"\n**P5 memory** (pp=2 × dp=2, sharding=full, {p5['model_params']:,} parameters; "

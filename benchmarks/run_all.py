@@ -1,9 +1,11 @@
-"""`make bench`: run P1 (overhead), P2 (bubble), P4 (scaling), P5 (memory) and the FSDP comparison,
-write benchmarks/results/summary.json and benchmarks/results/summary.png. See BENCHMARKS.md.
+"""`make bench`: run P1 (overhead), P2 (bubble), P4 (scaling), P5 (memory), the FSDP comparison and bfpp against
+torch's own schedule classes, write benchmarks/results/summary.json and benchmarks/results/summary.png. See BENCHMARKS.md.
 
     python benchmarks/run_all.py                 # the full suite (~4.5 minutes on 2 cores)
     python benchmarks/run_all.py --quick         # gpt_tiny, 2 rounds: a smoke test, results in the --work dir
     python benchmarks/run_all.py --only p1,p2    # a subset (merged into an existing summary.json)
+    python benchmarks/run_all.py --only torch    # bfpp vs ScheduleLoopedBFS/Interleaved1F1B/GPipe/1F1B alone
+    python benchmarks/run_all.py --only p2,p4 --compare-auto   # + stage_layers="auto" beside the parameter cut
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import p1_overhead  # noqa: E402
 import p2_bubble  # noqa: E402
 import p4_scaling  # noqa: E402
 import p5_memory  # noqa: E402
+import torch_schedules  # noqa: E402
 from common import ROOT  # noqa: E402
 from plot import plot  # noqa: E402
 
@@ -31,7 +34,10 @@ GOALS = {"p1_overhead_ratio": ("<=", 1.05), "p2_bubble_abs_error": ("<=", 0.05),
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="p1,p2,p4,p5", help="comma list of p1 (with the FSDP row), p2, p4, p5")
+    ap.add_argument("--only", default=",".join(GOALS_KEYS),
+                    help="comma list of p1 (with the FSDP row), p2, p4, p5, torch (bfpp vs torch's schedule classes)")
+    ap.add_argument("--compare-auto", action="store_true",
+                    help='P2 and P4 also run stage_layers="auto" (cut by measured time) beside the parameter cut')
     ap.add_argument("--quick", action="store_true", help="gpt_tiny and 2 rounds: checks the machinery only")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved repetitions of each timed comparison")
     ap.add_argument("--model", default="gpt_small", help="conf/model/<name>.yaml")
@@ -82,12 +88,15 @@ def main() -> None:
         }
 
     def p2() -> None:
-        details["p2"] = p2_bubble.run(work / "p2", **size, rounds=args.rounds, steps=5, warmup=2)
+        cuts = (None, "auto") if args.compare_auto else (None,)
+        details["p2"] = p2_bubble.run(work / "p2", **size, rounds=args.rounds, steps=5, warmup=2, stage_layers=cuts)
         summary["p2_bubble_abs_error"] = details["p2"]["max_abs_error"]
 
     def p4() -> None:
-        details["p4"] = p4_scaling.run(work / "p4", **size, **timed)
+        details["p4"] = p4_scaling.run(work / "p4", **size, **timed, auto=args.compare_auto)
         summary["p4_speedup"] = details["p4"]["speedup"]["median"]
+        if args.compare_auto:
+            summary["p4_speedup_auto"] = details["p4"]["speedup_auto"]["median"]
 
     def p5() -> None:
         details["p5"] = p5_memory.run(work / "p5", **size, steps=2)
@@ -96,7 +105,12 @@ def main() -> None:
     step("p1", "P1 overhead + FSDP comparison (2 processes)", p1)
     step("p2", "P2 bubble per schedule (2 processes)", p2)
     step("p4", "P4 scaling: 1 process vs pp=2", p4)
+    def torch_part() -> None:
+        details["torch"] = torch_schedules.run(work / "torch", **size, **timed)
+        summary["torch_schedule_ratio"] = {cls: r["ratio"]["median"] for cls, r in details["torch"]["schedules"].items()}
+
     step("p5", "P5 memory with FSDP (pp=2 x dp=2, 4 processes)", p5)
+    step("torch", "bfpp vs torch.distributed.pipelining's schedule classes, same stages (2 processes)", torch_part)
     summary["goals"] = {k: {"goal": f"{op} {v}", "value": summary.get(k),
                             "met": None if summary.get(k) is None else (summary[k] <= v if op == "<=" else summary[k] >= v)}
                         for k, (op, v) in GOALS.items()}
@@ -106,14 +120,15 @@ def main() -> None:
     summary["elapsed_s"] = round(time.perf_counter() - t_all, 1)
     summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     plot(summary, args.results / "summary.png")
-    print(json.dumps({k: summary.get(k) for k in (*GOALS, "fsdp_comparison", "bench_seconds", "errors", "elapsed_s")},
+    print(json.dumps({k: summary.get(k) for k in (*GOALS, "torch_schedule_ratio", "fsdp_comparison", "bench_seconds",
+                                                  "errors", "elapsed_s")},
                      indent=1))
     print(f"wrote {summary_path} and {args.results / 'summary.png'}")
     if errors:
         sys.exit(f"benchmarks failed: {sorted(errors)}")
 
 
-GOALS_KEYS = ("p1", "p2", "p4", "p5")
+GOALS_KEYS = ("p1", "p2", "p4", "p5", "torch")
 
 if __name__ == "__main__":
     main()

@@ -135,7 +135,7 @@ def strategy_for(job: dict):
     if kind == "bfpp":
         return BFPPStrategy(pipeline_parallel=job["pp"], loops=job.get("loops", 1), micro_batches=job["m"],
                             schedule=job.get("schedule", "breadth_first"), sharding=job.get("sharding", "full"),
-                            measure_every_n_steps=job.get("measure"))
+                            measure_every_n_steps=job.get("measure"), stage_layers=job.get("stage_layers"))
     if kind == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

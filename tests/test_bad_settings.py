@@ -34,7 +34,6 @@ STARTED = ("Initializing distributed", "distributed_backend=")
 # gpt_tiny (4 blocks + embedding + head = 6 layers), global batch 32.
 ROWS = [
     ("world_not_divisible_by_pp", ["schedule.pipeline_parallel=3"], "schedule.pipeline_parallel"),
-    ("breadth_first_too_few_micro_batches", ["schedule.micro_batches=1"], "micro_batches"),
     ("more_stages_than_layers", ["schedule.loops=4"], "schedule.loops"),
     ("batch_not_divisible", ["data.batch_size=30"], "data.batch_size"),
     ("loops_on_unlooped_schedule", ["schedule=gpipe", "schedule.loops=2"], "loops=2"),

@@ -149,6 +149,7 @@ def test_slurm_requeue_signal_stops_every_rank_and_requeues(tmp_path):
     assert stopped.gone_s < BUDGET_S and stopped.codes == [128 + signal.SIGUSR1] * WORLD, (stopped.codes, stopped.output[-4000:])
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     said = STOPPED.findall(stopped.output)
-    assert {int(r) for r, _ in said} == set(range(WORLD)) and len({why for _, why in said}) == 1, said
-    assert re.fullmatch(r"rank \d got SIGUSR1", said[0][1]), said
+    # every task got the signal: a rank may name itself when it stops before reading another's post
+    assert {int(r) for r, _ in said} == set(range(WORLD)), said
+    assert all(re.fullmatch(r"rank \d got SIGUSR1", why) for _, why in said), said
     newest_checkpoint_is_complete(stopped.save_dir, tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +15,15 @@ from lightning_bfpp.procenv import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "run_exact.py"
+
+
+def run_configs(run: Callable[[dict, int, Path], None]) -> None:
+    """A worker script's entry point: `script OUT_DIR DEVICES CONFIGS_JSON` calls `run(cfg, devices, OUT_DIR/cfg<i>)`
+    for each config, one after the other in the same processes."""
+    out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    for i, cfg in enumerate(configs):
+        run(cfg, devices, out / f"cfg{i}")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

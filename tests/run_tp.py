@@ -9,7 +9,6 @@ Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: f
 
 from __future__ import annotations
 
-import json
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -94,12 +93,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                out / f"rank{trainer.global_rank}.pt")
 
 
-def main() -> None:
-    out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    torch.set_num_threads(1)
-    for i, cfg in enumerate(configs):
-        run(cfg, devices, out / f"cfg{i}")
-
-
 if __name__ == "__main__":
-    main()
+    from launch import run_configs
+
+    run_configs(run)

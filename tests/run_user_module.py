@@ -10,7 +10,6 @@ the CSV logger's rows)}.
 from __future__ import annotations
 
 import csv
-import json
 import sys
 from pathlib import Path
 
@@ -63,12 +62,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     torch.save(record, out / f"rank{trainer.global_rank}.pt")
 
 
-def main() -> None:
-    out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    torch.set_num_threads(1)
-    for i, cfg in enumerate(configs):
-        run(cfg, devices, out / f"cfg{i}")
-
-
 if __name__ == "__main__":
-    main()
+    from launch import run_configs
+
+    run_configs(run)

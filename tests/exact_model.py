@@ -79,10 +79,10 @@ def loader(batch_size: int) -> DataLoader:
     return DataLoader(dataset(), batch_size=batch_size, shuffle=False, drop_last=True)
 
 
-def lightning_batches(global_batch: int, data_parallel: int):
-    """The global batches Lightning's training sampler (DistributedSampler, shuffle, seed 0) yields:
-    batch t is the union of every data-parallel replica's t-th batch."""
-    ds = dataset()
+def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset | None = None):
+    """The global batches Lightning's training sampler (DistributedSampler, shuffle, seed 0) yields from `ds`
+    (default: this module's dataset): batch t is the union of every data-parallel replica's t-th batch."""
+    ds = dataset() if ds is None else ds
     per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0)) for r in range(data_parallel)]
     b = global_batch // data_parallel
     for t in range(len(per_rank[0]) // b):

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
+import exact_model
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.hf import CausalLM
 
@@ -46,12 +47,7 @@ def dataset() -> TensorDataset:
 
 def lightning_batches(global_batch: int, data_parallel: int):
     """The global batches Lightning's training sampler (shuffled, seed 0) yields, replicas concatenated."""
-    ds = dataset()
-    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0)) for r in range(data_parallel)]
-    b = global_batch // data_parallel
-    for t in range(len(per_rank[0]) // b):
-        idx = [i for r in range(data_parallel) for i in per_rank[r][t * b : (t + 1) * b]]
-        yield ds.tensors[0][idx], ds.tensors[1][idx]
+    return exact_model.lightning_batches(global_batch, data_parallel, dataset())
 
 
 def sgd(params):

@@ -176,14 +176,16 @@ def run_on_last_stage(
     """Run `method` (a user step, with forward answered and logs recorded) where the last stage is, share what
     it logged and returned over the pipeline group (`last_rank`: its group rank), replay the logs on every rank,
     and return the step's result on every rank, with the names of the non-finite values it logged."""
-    record = StepRecord()
+    record, result = StepRecord(), None
     if holds_last_stage and method is not None:
         with recording_logs(module) as calls:
             result = method()
-        record = StepRecord(_pack(module, calls), _cpu(result))
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        box = [record]
+        record = StepRecord(_pack(module, calls), result)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # the result crosses on the CPU, only here
+        box = [StepRecord(record.calls, _cpu(record.result))]
         dist.broadcast_object_list(box, group=pp_group, group_src=last_rank)
         record = box[0]
+        if not holds_last_stage:
+            result = _to(record.result, device)
     nonfinite = replay(module, record.calls, holds_last_stage, dp_group, device)
-    return _to(record.result, device), nonfinite
+    return result, nonfinite

@@ -76,3 +76,35 @@ def test_the_check_sees_relative_lazy_and_plain_imports():
     assert violations("from ..sim import a\nimport json\n", "lightning_bfpp.schedule.lower") == ["lightning_bfpp.sim"]
     assert violations("from . import actions\n", "lightning_bfpp.schedule", is_package=True) == []
     assert violations("from ..strategy import S\nimport torch\n", "lightning_bfpp.runtime.pipeline") == ["lightning_bfpp.strategy"]
+
+
+def _run(code: str) -> str:
+    """`code` in a fresh interpreter (nothing imported yet); its stdout."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=PKG.parent)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("package", ["lightning_bfpp", "lightning_bfpp.schedule", "lightning_bfpp.sim"])
+def test_pure_packages_import_neither_lightning_nor_torch_distributed(package):
+    loaded = _run(f"import sys, {package}\nprint(' '.join(sorted(sys.modules)))").split()
+    heavy = [m for m in loaded if _under(m, ("lightning", "pytorch_lightning", "torch.distributed", "lightning_bfpp.strategy"))]
+    assert not heavy, f"import {package} loads {heavy[:5]}"
+
+
+@pytest.mark.parametrize("order", ["lightning_bfpp first", "lightning first"])
+def test_import_registers_the_bfpp_strategy(order):
+    imports = ["import lightning_bfpp", "from lightning.pytorch import Trainer"]
+    code = "\n".join([*(imports if order == "lightning_bfpp first" else imports[::-1]),
+                      "from lightning.pytorch.strategies import StrategyRegistry",
+                      "assert 'bfpp' in StrategyRegistry",
+                      "trainer = Trainer(strategy='bfpp', accelerator='cpu', devices=1, logger=False, enable_checkpointing=False)",
+                      "print(type(trainer.strategy).__name__, trainer.strategy is not None)"])
+    assert _run(code).split()[-2:] == ["BFPPStrategy", "True"]
+
+
+def test_without_importing_lightning_bfpp_there_is_no_bfpp_strategy():  # the two tests above see the import's effect
+    code = "from lightning.pytorch.strategies import StrategyRegistry\nprint('bfpp' in StrategyRegistry)"
+    assert _run(code).split()[-1] == "False"

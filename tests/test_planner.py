@@ -21,13 +21,14 @@ def _load(model: str, cluster: str, **override):
 
 
 BETAS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # sequences per GPU
-SPACE = dict(loops=(1, 2), max_micro_batches=4, max_groups=2)
+SPACE = dict(loops=(1, 3), max_micro_batches=4, max_groups=2)
 
 
 def _fixed_best(model, cluster, batch, name):
     """Best fitting layout of one fixed schedule, enumerated here (not by the planner's candidates/pruning)."""
     from lightning_bfpp.schedule import ScheduleError, ScheduleSpec, build_schedule
     from lightning_bfpp.sim import build_costs, simulate
+    from lightning_bfpp.sim.residency import relower
 
     div = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
     best = 0.0
@@ -40,7 +41,11 @@ def _fixed_best(model, cluster, batch, name):
                 m = batch // dp // mbs
                 for loops in SPACE["loops"] if name in ("breadth_first", "depth_first") else (1,):
                     for groups in [g for g in (1, 2) if m % g == 0] if name == "breadth_first" else (1,):
-                        for sharding, raf in (("full", False), ("full", True), ("none", False)):
+                        # weights gathered for the step (with or without resharding after forward), an LRU cache
+                        # of 1 .. loops-1 stages, regathered per run of computes; sharding none keeps them whole
+                        fsdp = [("full", raf, "step", 0) for raf in (False, True)] + [("none", False, "step", 0)]
+                        fsdp += [("full", False, "cache", k) for k in range(1, loops)] + [("full", False, "run", 0)]
+                        for sharding, raf, residency, cache in fsdp:
                             if m > SPACE["max_micro_batches"] or pp * loops > model.num_layers:
                                 continue
                             try:
@@ -48,9 +53,10 @@ def _fixed_best(model, cluster, batch, name):
                                                                     groups=groups, reshard_after_forward=raf))
                             except ScheduleError:
                                 continue
-                            r = simulate(sched, build_costs(model, cluster, pipeline_parallel=pp, loops=loops, data_parallel=dp,
-                                                            micro_batch_size=mbs, micro_batches=m, sharding=sharding,
-                                                            tensor_parallel=tp), timeline=False)
+                            r = simulate(relower(sched, residency, cache),
+                                         build_costs(model, cluster, pipeline_parallel=pp, loops=loops, data_parallel=dp,
+                                                     micro_batch_size=mbs, micro_batches=m, sharding=sharding,
+                                                     tensor_parallel=tp), timeline=False)
                             if r.peak_memory <= cluster.usable_memory:
                                 best = max(best, r.tokens_per_second_per_device)
     return best
@@ -60,7 +66,8 @@ def _fixed_best(model, cluster, batch, name):
 def test_pick_never_worse_than_fixed_schedule(nodes):
     """At every batch per GPU, 64 and 512 GPUs: the planner's pick >= each fixed schedule's best layout found by
     an independent enumeration (the planner prunes families, lower-bounds memory and skips twins: none of
-    that may lose the best); its plans fit capacity minus the reserve. A 10-layer cut of the 52B model."""
+    that may lose the best); its plans fit capacity minus the reserve. A 10-layer cut of the 52B model.
+    Fixed schedules include every weight residency (an unused one cannot make the planner look better)."""
     model, cluster = _load("gpt_52b", "a100_paper", n_layer=8)
     cluster = Cluster(**{**cluster.__dict__, "num_nodes": nodes})
     for beta in BETAS:
@@ -69,6 +76,7 @@ def test_pick_never_worse_than_fixed_schedule(nodes):
         assert plans and plans[0].fits and plans[0].peak_memory <= cluster.usable_memory, beta
         for name in SCHEDULES:
             fixed = _fixed_best(model, cluster, batch, name)
+            assert fixed > 0 or beta < 1, (nodes, beta, name)  # the enumeration finds layouts (not vacuous)
             assert plans[0].tokens_per_second_per_device >= fixed * (1 - 1e-9), (nodes, beta, name, plans[0], fixed)
 
 
@@ -106,3 +114,47 @@ def test_plan_cli_writes_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["plans"] and data["best_overrides"][0].startswith("schedule=")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"] and f"{out.relative_to(tmp_path)}" in proc.stdout
+
+
+def test_residency_chosen_by_memory():
+    """Depth-first on the 52B model without tensor parallel: with every local stage gathered the layout does
+    not fit, so the planner keeps it by regathering (a cache or per run); with room to spare it keeps the
+    weights for the step. Shorter residency is never faster than the step-long one in the same layout."""
+    from dataclasses import replace
+
+    model, cluster = _load("gpt_52b", "a100_paper", n_layer=16)
+    cluster = replace(cluster, num_nodes=2)
+    kw = dict(schedules=["depth_first"], shardings=["full"], tensor_parallels=(1,), loops=(4,), top=0,
+              min_pipeline_parallel=4, max_pipeline_parallel=4, max_micro_batches=8)
+    every = search(model, cluster, 32, include_unfit=True, **kw)
+    by = {}
+    for p in every:
+        by.setdefault(p.candidate.micro_batches, {})[(p.candidate.residency, p.candidate.reshard_after_forward)] = p
+    checked = 0
+    for m, variants in by.items():
+        step = variants[("step", False)]
+        for key in (("cache", False), ("run", False)):
+            if key in variants:
+                assert variants[key].peak_memory < step.peak_memory
+                assert variants[key].step_time >= step.step_time * (1 - 1e-9)
+                checked += 1
+    assert checked
+    need = min(p.peak_memory for p in every if p.candidate.residency == "step")
+    tight = replace(cluster, device_memory=need - 1.0 + cluster.memory_reserve)
+    pick = search(model, tight, 32, **kw)[0]
+    assert pick.candidate.residency != "step" and pick.peak_memory <= tight.usable_memory
+    roomy = replace(cluster, device_memory=1e15)
+    assert search(model, roomy, 32, **kw)[0].candidate.residency == "step"
+
+
+def test_no_micro_batch_cap_and_exact_pruning():
+    """Without a cap the micro-batch count reaches the replica's whole batch (one sample each), and the step-time
+    lower bound the search prunes with never exceeds a simulated step."""
+    from lightning_bfpp.sim.planner import step_time_lower_bound
+
+    model, cluster = _load("gpt_small", "gpu_8")
+    cs = list(candidates(model, cluster, 256, loops=(1, 2), max_groups=1))
+    assert max(c.micro_batches for c in cs) == 256  # pp = world: dp = 1, m = batch
+    for c in cs[::7]:
+        costs = candidate_costs(model, cluster, c)
+        assert step_time_lower_bound(c, costs) <= simulate_candidate(model, cluster, c).step_time * (1 + 1e-9)

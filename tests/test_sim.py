@@ -201,3 +201,75 @@ def test_looped_breadth_first_with_fewer_micro_batches_than_stages_per_loop():
         spec = ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m, groups=groups)
         r = simulate(build_schedule(spec), unit_costs(pp * loops, pp))
         assert r.step_time == pytest.approx(3 * groups * (loops * pp + m // groups - 1)), spec
+
+
+def _gathered_and_reduced(sched):
+    """Independent check of a relowered schedule: every compute runs on gathered weights, frees pair with
+    gathers, nothing stays gathered, and no stage runs a backward after its last gradient reduction."""
+    from lightning_bfpp.schedule import Op
+
+    gathers = {}
+    for rank, actions in sched.actions.items():
+        gathered, last_reduce, last_backward, n = set(), {}, {}, 0
+        for i, a in enumerate(actions):
+            if a.op is Op.UNSHARD:
+                assert a.stage not in gathered
+                gathered.add(a.stage)
+                n += 1
+            elif a.op is Op.RESHARD:
+                gathered.remove(a.stage)
+            elif a.op is Op.REDUCE_GRAD:
+                last_reduce[a.stage] = i
+            elif a.is_compute:
+                assert a.stage in gathered, (rank, i, a)
+                if a.op is Op.BACKWARD:
+                    last_backward[a.stage] = i
+        assert not gathered
+        assert all(last_reduce.get(s, -1) > i for s, i in last_backward.items()), rank
+        gathers[rank] = n
+    return gathers
+
+
+@pytest.mark.parametrize("name,loops", [("depth_first", 3), ("breadth_first", 3), ("1f1b", 1), ("gpipe", 1)])
+def test_residency_relowering(name, loops):
+    """Residency re-places only FSDP actions. Breadth-first's "run" residency regathers each stage once for its
+    backward run (2*loops - 1 gathers: the last local stage's forward and backward runs touch), while
+    depth-first's regathers for every micro-batch run: the paper's depth-first network overhead."""
+    from lightning_bfpp.sim.residency import relower
+
+    pp, m = 2, 4
+    sched = build_schedule(ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m))
+    base = {r: [a for a in acts if not a.op.name.endswith(("SHARD", "GRAD"))] for r, acts in sched.actions.items()}
+    counts = {}
+    for residency, cache in (("step", 0), ("cache", 2), ("cache", 1), ("run", 0)):
+        re = relower(sched, residency, cache)
+        assert {r: [a for a in acts if not a.op.name.endswith(("SHARD", "GRAD"))] for r, acts in re.actions.items()} == base
+        counts[(residency, cache)] = _gathered_and_reduced(re)
+    for r in range(pp):
+        assert counts[("step", 0)][r] == loops  # the schedule's own lowering: each local stage gathered once
+        assert counts[("step", 0)][r] <= counts[("cache", 2)][r] <= counts[("cache", 1)][r] <= counts[("run", 0)][r]
+        if name == "breadth_first":
+            assert counts[("run", 0)][r] == 2 * loops - 1
+        if name == "depth_first":
+            assert counts[("run", 0)][r] >= 2 * m * loops // pp > 2 * loops - 1
+
+
+def test_residency_trades_memory_for_gathers():
+    """Unit stages, all-gathers and reduce-scatters as long as a forward and backward: a short residency frees gathered weights
+    and unsharded gradients (peak category bytes fall) and pays one all-gather per regather on the gather
+    stream (the step lasts at least gathers x all-gather time)."""
+    from lightning_bfpp.sim.residency import relower
+
+    pp, loops, m, params = 2, 4, 4, 10
+    sched = build_schedule(ScheduleSpec("depth_first", pipeline_parallel=pp, loops=loops, micro_batches=m))
+    costs = unit_costs(pp * loops, pp, unshard=3.0, reduce=3.0, params=params, activation=0.0)
+    res = {k: simulate(relower(sched, k, 2), costs) for k in ("step", "cache", "run")}
+    gathers = {k: _gathered_and_reduced(relower(sched, k, 2)) for k in res}
+    weights = {k: max(m_.category_peak["weights"] for m_ in r.memory) for k, r in res.items()}
+    grads = {k: max(m_.category_peak["gradients"] for m_ in r.memory) for k, r in res.items()}
+    assert weights["step"] == 2 * params * loops  # every local stage gathered at once
+    assert weights["run"] <= 2 * params * 2 < weights["step"]  # the computing stage and the prefetched next
+    assert grads["run"] < grads["step"] == 2 * params * loops
+    for k, r in res.items():
+        assert r.step_time >= max(gathers[k].values()) * 3.0
+    assert res["step"].step_time < res["cache"].step_time <= res["run"].step_time

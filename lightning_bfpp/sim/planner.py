@@ -14,6 +14,7 @@ from lightning_bfpp.schedule import (
 
 from .cost import WEIGHT_BYTES, Cluster, Costs, build_costs, state_bytes
 from .model import Model
+from .residency import RESIDENCIES, relower
 from .simulate import SimOptions, SimResult, evaluate, simulate
 
 DEFAULT_LOOPS = (1, 2, 3, 4, 6, 8, 16)
@@ -34,6 +35,8 @@ class Candidate:
     reshard_after_forward: bool = False
     tensor_parallel: int = 1
     sequence_parallel: bool = False  # cost model only: the runtime has no sequence parallel yet
+    residency: str = "step"  # cost model only unless "step": FSDP weight residency (sim/residency.py)
+    cache: int = 0  # stages kept gathered under residency="cache"
 
     def spec(self) -> ScheduleSpec:
         return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
@@ -79,9 +82,19 @@ def _divisors(n: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def _schedule(spec: ScheduleSpec) -> Schedule:
+def _lowered(spec: ScheduleSpec) -> Schedule:
     """Lowered action lists without the validator (fast); chosen plans are validated afterwards."""
     return Schedule(spec, lower(spec, compute_order(spec)))
+
+
+@lru_cache(maxsize=4096)
+def _schedule(spec: ScheduleSpec, residency: str = "step", cache: int = 0) -> Schedule:
+    return relower(_lowered(spec), residency, cache)
+
+
+def candidate_schedule(c: Candidate) -> Schedule:
+    """The action lists the simulator plays for `c` (its residency's FSDP placement)."""
+    return _schedule(c.spec(), c.residency, c.cache)
 
 
 def candidates(
@@ -92,18 +105,23 @@ def candidates(
     schedules: Sequence[str] = SCHEDULES,
     loops: Sequence[int] = DEFAULT_LOOPS,
     shardings: Sequence[str] = ("full", "none"),
-    max_micro_batches: int = 64,
+    max_micro_batches: int | None = None,
     max_groups: int = 8,
     min_pipeline_parallel: int = 1,
     max_pipeline_parallel: int | None = None,
     tensor_parallels: Sequence[int] | None = None,
     sequence_parallels: Sequence[bool] = (False,),
+    residencies: Sequence[str] = RESIDENCIES,
 ) -> Iterable[Candidate]:
     """Every legal layout using the whole cluster (world = pp * dp * tp, tp dividing a node's devices and the
     model's heads; `tensor_parallels` None: all such tp). pp=1 is plain FSDP/DDP with
     gradient accumulation over the micro-batches (1f1b: forward/backward alternate; gpipe: all forwards
     first); with loops > 1 the model is cut into `loops` FSDP units, and breadth_first runs each unit for
-    all micro-batches of a group before the next (weights gathered once per group)."""
+    all micro-batches of a group before the next (weights gathered once per group).
+
+    Micro-batch counts ascend for each (tp, pp) up to the replica's batch (`max_micro_batches`: a cap, None:
+    none); within one count, cheaper-in-memory variants (groups, reshard after forward, residency) follow
+    the faster one they trade against."""
     world = cluster.world_size
     tps = [t for t in (tensor_parallels or _divisors(cluster.devices))
            if cluster.devices % t == 0 and model.n_head % t == 0 and model.vocab % t == 0]
@@ -112,28 +130,45 @@ def candidates(
         if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world) or pp > model.num_layers or batch_size % dp:
             continue
         replica = batch_size // dp
-        for mbs in _divisors(replica):
+        for mbs in reversed(_divisors(replica)):  # m ascending
             m = replica // mbs
-            if m > max_micro_batches:
+            if max_micro_batches is not None and m > max_micro_batches:
+                break
+            for name, lp, groups in _orders(schedules, loops, m, max_groups, pp, model.num_layers):
+                for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
+                    for raf, residency, cache in _fsdp_variants(sharding, lp, residencies):
+                        c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache)
+                        try:
+                            check_spec(c.spec())
+                        except ScheduleError:
+                            continue
+                        yield c
+
+
+def _orders(schedules: Sequence[str], loops: Sequence[int], m: int, max_groups: int, pp: int,
+            num_layers: int) -> Iterable[tuple[str, int, int]]:
+    """(schedule, loops, groups) without twins: unlooped depth-first is 1f1b, ungrouped unlooped
+    breadth-first is gpipe."""
+    for name in schedules:
+        for lp in loops if name in ("breadth_first", "depth_first") else (1,):
+            if pp * lp > num_layers or (name == "depth_first" and lp == 1 and "1f1b" in schedules):
                 continue
-            for name in schedules:
-                for lp in loops if name in ("breadth_first", "depth_first") else (1,):
-                    if pp * lp > model.num_layers:
-                        continue
-                    if name == "depth_first" and lp == 1 and "1f1b" in schedules:
-                        continue  # the same order as 1f1b
-                    for groups in _divisors(m) if name == "breadth_first" else (1,):
-                        gpipe_twin = name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules
-                        if groups > max_groups or gpipe_twin:
-                            continue  # ungrouped, unlooped breadth-first is gpipe
-                        for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
-                            for raf in (False, True) if sharding == "full" else (False,):
-                                c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp)
-                                try:
-                                    check_spec(c.spec())
-                                except ScheduleError:
-                                    continue
-                                yield c
+            for groups in _divisors(m) if name == "breadth_first" else (1,):
+                if groups <= max_groups and not (name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules):
+                    yield name, lp, groups
+
+
+def _fsdp_variants(sharding: str, loops: int, residencies: Sequence[str]) -> list[tuple[bool, str, int]]:
+    """(reshard_after_forward, residency, cache) to try, least memory-saving first. Only full sharding gathers;
+    with one local stage per rank every residency keeps it for its one run of computes (= "step")."""
+    if sharding != "full":
+        return [(False, "step", 0)]
+    out = [(raf, "step", 0) for raf in (False, True)] if "step" in residencies else []
+    if loops > 2 and "cache" in residencies:
+        out.append((False, "cache", 2))  # a small cache: the stage computing and the next
+    if loops > 1 and "run" in residencies:
+        out.append((False, "run", 0))
+    return out
 
 
 def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
@@ -145,7 +180,7 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
 
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate, options: SimOptions = SimOptions(),
                        *, timeline: bool = False) -> SimResult:
-    return simulate(_schedule(c.spec()), candidate_costs(model, cluster, c), options, timeline=timeline)
+    return simulate(candidate_schedule(c), candidate_costs(model, cluster, c), options, timeline=timeline)
 
 
 def memory_lower_bound(c: Candidate, costs: Costs) -> float:
@@ -171,8 +206,24 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
 
 
 def _family(c: Candidate) -> tuple:
+    """A candidate up to its memory-for-speed knobs (groups, reshard after forward, residency)."""
     return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding,
             c.tensor_parallel, c.sequence_parallel)
+
+
+def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
+    """Seconds no schedule can beat: pipeline rank r cannot start before stages 0..r-1 ran one forward, is
+    busy for its m forwards and backwards, and its last backward is followed by stages r-1..0's backward."""
+    st, pp, bound = costs.stages, c.pipeline_parallel, 0.0
+    for r in range(pp):
+        busy = c.micro_batches * sum(x.forward + x.backward for x in st[r::pp])
+        edges = sum(x.forward + x.backward for x in st[:r])
+        bound = max(bound, edges + busy)
+    return bound + costs.step_overhead
+
+
+def _fastest_variant(c: Candidate) -> bool:
+    return c.groups == 1 and not c.reshard_after_forward and c.residency == "step"
 
 
 def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
@@ -193,33 +244,38 @@ def search(
 ) -> list[Plan]:
     """Simulate the candidates; return plans sorted best first (fitting ones only unless include_unfit).
 
-    NOTE: more accumulation groups and resharding after forward only trade speed for memory (more
-    all-gathers, more bubble), so within a family (a candidate up to those two knobs) the search stops at
-    the first one that fits, trying groups=1 / no resharding first. The top `top` plans are validated and
+    NOTE: more accumulation groups, resharding after forward and a shorter weight residency only trade speed
+    for memory (more all-gathers and reduce-scatters, more bubble), so once a family's fastest variant (one
+    group, no resharding, weights resident for the step) fits, its other variants are skipped; when it does
+    not fit, every variant is simulated and the fastest fitting one wins. The top `top` plans are validated and
     re-simulated with the comm-free pass (bubble, exposed comm). `space`: the search-space keywords of
     `candidates` (schedules, loops, shardings, max_micro_batches, ...); `options` says how the runtime waits
     (e.g. `SimOptions(blocking_reduce=True)` on CPU).
     """
     plans: list[Plan] = []
-    settled: set[tuple] = set()  # families (all but groups / reshard policy) that already have a fitting plan
+    settled: set[tuple] = set()  # families whose fastest variant fits
+    best = 0.0  # tokens/s/device of the best fitting plan so far: candidates bounded below it are skipped
     for c in candidates(model, cluster, batch_size, **space):
         family = _family(c)
         if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
             continue
         costs = candidate_costs(model, cluster, c)
-        if not include_unfit and memory_lower_bound(c, costs) > cluster.usable_memory:
+        if not include_unfit and (memory_lower_bound(c, costs) > cluster.usable_memory or
+                                  costs.tokens_per_step / step_time_lower_bound(c, costs) / (c.pipeline_parallel * c.tensor_parallel) < best):
             continue
-        r = simulate(_schedule(c.spec()), costs, options, timeline=False)
+        r = simulate(candidate_schedule(c), costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
-        if fits and not include_unfit:
+        if fits and not include_unfit and _fastest_variant(c):
             settled.add(family)
+        if fits:
+            best = max(best, r.tokens_per_second_per_device)
         if fits or include_unfit:
             plans.append(Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits))
     plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_second_per_device, 6), p.peak_memory,
                               p.candidate.micro_batches, p.candidate.loops, p.candidate.pipeline_parallel))
     for p in plans[:top]:
         build_schedule(p.candidate.spec())  # validator: raises ScheduleError on a broken schedule
-        r = evaluate(_schedule(p.candidate.spec()), candidate_costs(model, cluster, p.candidate), options, timeline=False)
+        r = evaluate(candidate_schedule(p.candidate), candidate_costs(model, cluster, p.candidate), options, timeline=False)
         p.bubble, p.exposed_comm = r.pipeline_bubble, r.exposed_comm
     return plans
 

@@ -15,16 +15,15 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from .lightning_private import SubprocessScriptLauncher, set_num_threads_if_needed
 from .watchdog import FAILED
 
 OBSERVER_WAIT = 9.0  # seconds the launching process gives its watchdog (1 s poll + 5 s grace + 1 s) after a child's failure
 
 
-class CheckingLauncher(_SubprocessScriptLauncher):
+class CheckingLauncher(SubprocessScriptLauncher):
     """Lightning's launcher (this process is rank 0 and starts ranks 1..), running `check` first: a model that
     cannot be cut into the requested stages fails once, here, before any other process or process group exists.
 
@@ -43,7 +42,7 @@ class CheckingLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             ChildObserver(self.procs, first, OBSERVER_WAIT, self.stop_children).start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
+        set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
     @override

@@ -25,15 +25,21 @@ def build_mesh(device_type: str, pipeline_parallel: int, world_size: int, timeou
         )
     names = (PP, DP, TP) if tensor_parallel > 1 else (PP, DP)
     shape = (pipeline_parallel, world_size // (pipeline_parallel * tensor_parallel), tensor_parallel)[:len(names)]
-    override = None
-    if timeout is not None:
-        from torch._C._distributed_c10d import Backend
+    if timeout is None:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    grid = torch.arange(world_size).reshape(shape)
+    return DeviceMesh.from_group(_dim_groups(grid, timeout), device_type, mesh=grid, mesh_dim_names=names)
 
-        backend = dist.get_backend()
-        options = Backend.Options(backend)
-        options._timeout = timeout
-        override = {name: (backend, options) for name in names}
-    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+
+def _dim_groups(ranks: torch.Tensor, timeout: timedelta) -> list[dist.ProcessGroup]:
+    """For each dimension of the rank grid `ranks`, this rank's process group along it, created with `timeout`
+    (public `new_subgroups_by_enumeration`: every rank creates every group of a dimension, in the same order)."""
+    groups = []
+    for dim in range(ranks.ndim):
+        members = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
+        groups.append(mine)
+    return groups
 
 
 def shard_stage(module: nn.Module, dp_mesh: DeviceMesh, mp_policy=None) -> nn.Module:

@@ -19,6 +19,8 @@ from torch import nn
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_mean
 
+from .lightning_private import metric_reductions, metric_step_value, set_metric_step_value
+
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 
 
@@ -27,7 +29,7 @@ class MetricRef:
     """A torchmetrics Metric logged by the user's step, named by its attribute in the LightningModule. The
     other pipeline ranks log their own (never updated) copy: its states are the reductions' identities
     (sum 0, empty cat, ±inf max/min), so torchmetrics' world-wide sync at compute() counts every sample
-    once. Its step value (``_forward_cache``) travels with it."""
+    once. Its step value (the last forward()'s result) travels with it."""
 
     attribute: str
     forward_cache: Any
@@ -120,7 +122,8 @@ def _pack(module: nn.Module, calls: list[tuple[str, Any, dict[str, Any]]]) -> li
                     f"must be an attribute of {type(module).__name__} (e.g. self.val_acc = Accuracy(...) in __init__), "
                     "so every pipeline rank can log its own copy."
                 )
-            value = MetricRef(attribute, _cpu(value._forward_cache), value._update_count)
+            forward_cache, update_count = metric_step_value(value)
+            value = MetricRef(attribute, _cpu(forward_cache), update_count)
         if kwargs.get("sync_dist_group") is not None:
             raise ValueError(
                 f"self.log({name!r}, ..., sync_dist_group=...): under strategy='bfpp' sync_dist reduces over the "
@@ -135,10 +138,8 @@ _warned_mean_states: set[str] = set()
 
 def _local_metric(module: nn.Module, ref: MetricRef, device: torch.device) -> Metric:
     metric = module.get_submodule(ref.attribute)
-    metric._forward_cache = _to(ref.forward_cache, device)
-    metric._update_count = max(metric._update_count, ref.update_count)  # compute() without update would warn
-    metric._computed = None
-    if ref.attribute not in _warned_mean_states and any(fx is dim_zero_mean for fx in metric._reductions.values()):
+    set_metric_step_value(metric, _to(ref.forward_cache, device), ref.update_count)
+    if ref.attribute not in _warned_mean_states and any(fx is dim_zero_mean for fx in metric_reductions(metric).values()):
         _warned_mean_states.add(ref.attribute)
         rank_zero_warn(f"{ref.attribute}: a Metric with mean-reduced states is averaged over every rank at compute(), "
                        "including the pipeline ranks that hold no output; use sum-reduced states under strategy='bfpp'.")

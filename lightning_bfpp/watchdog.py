@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
+from .torch_private import default_store
+
 FAILED = 1  # exit code of every rank when a rank failed (raised, died, lost the store, timed out)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -95,7 +97,7 @@ class Watchdog:
         self._wakeup: tuple[int, int] | None = None  # (read fd, write fd) of the signal pipe
         self._old_wakeup = -1
         self._old_handlers: dict[int, object] = {}
-        self._store = dist.distributed_c10d._get_default_store()
+        self._store = default_store()
         # one key space per run (fit, validate, ...) of this job's store: every rank counts its own starts, and
         # every rank starts the same runs; a new store (a new job, e.g. the next one of a Hydra sweep) counts anew
         self.prefix = f"bfpp/watchdog/{self._store.add(f'bfpp/watchdog/starts/{rank}', 1)}"

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from ..torch_private import checkpoint_metadata_globals
 
 TRUST_ENV = "BFPP_TRUST_CHECKPOINTS"
 DCP_METADATA = ".metadata"
@@ -80,10 +81,9 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
             dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)
         ):
             allowed[(dcp_metadata.__name__, name)] = obj
-    allowed[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a lookup by layout name
+    allowed.update(checkpoint_metadata_globals())  # private names the metadata pickles contain
     allowed[("collections", "OrderedDict")] = OrderedDict
     for cls in (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath):
         allowed[("pathlib", cls.__name__)] = cls  # StorageMeta.checkpoint_id; constructing a path does no I/O

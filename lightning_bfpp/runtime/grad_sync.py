@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .torch_bridge import after_reduce_grad
+
 BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb default: large enough to amortise each collective's latency
 
 
@@ -44,13 +46,7 @@ class BucketedAllReduce:
 
     def attach(self, stage) -> None:
         """Reduce `stage`'s gradients (a torch PipelineStage) as soon as its REDUCE_GRAD action has run."""
-        inner = stage.perform_reduce_grad
-
-        def reduce_after(*args, **kwargs):
-            inner(*args, **kwargs)
-            self.start(stage.submod)
-
-        stage.perform_reduce_grad = reduce_after
+        after_reduce_grad(stage, lambda: self.start(stage.submod))
 
     def start(self, module: nn.Module) -> None:
         """Start the all-reduces of `module`'s gradients (asynchronous; `wait` finishes them)."""

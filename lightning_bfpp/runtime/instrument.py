@@ -2,7 +2,6 @@
 # saved-activation bytes (allocator-independent memory), plus parameter/grad/optimizer bytes.
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from contextlib import contextmanager
 
@@ -10,6 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from ..torch_private import dtensor_local
+from .torch_bridge import time_stage_compute
 
 
 class Timeline:
@@ -20,19 +22,10 @@ class Timeline:
         self.enabled = True
 
     def attach(self, stage) -> None:
-        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-            inner = getattr(stage, name)
+        def record(kind: str, micro_batch: int, start: float, end: float) -> None:
+            self.events.append((kind, stage.stage_index, micro_batch, start, end))
 
-            def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
-                if not self.enabled:
-                    return _inner(mb, *args, **kwargs)
-                t0 = time.perf_counter()
-                try:
-                    return _inner(mb, *args, **kwargs)
-                finally:
-                    self.events.append((_kind, stage.stage_index, mb, t0, time.perf_counter()))
-
-            setattr(stage, name, timed)
+        time_stage_compute(stage, record, lambda: self.enabled)
 
     def stats(self, step_start: float, step_end: float) -> dict[str, float]:
         busy = sum(e[4] - e[3] for e in self.events)
@@ -93,7 +86,7 @@ class SavedActivationMeter:
         def pack(t: torch.Tensor):
             if isinstance(t, nn.Parameter) or t.device.type == "meta":
                 return t
-            storage = _local(t).untyped_storage()  # a DTensor (tensor parallel): its local part's storage
+            storage = dtensor_local(t).untyped_storage()  # a DTensor (tensor parallel): its local part's storage
             ptr = storage.data_ptr()
             if swapped and ptr not in meter._param_ptrs and ptr not in batch_ptrs:
                 meter.refresh()  # FSDP2 may have swapped in gathered parameters since the last look
@@ -106,13 +99,6 @@ class SavedActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield self
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (read without an autograd op: this runs inside saved-tensor hooks); else `t`."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -1,7 +1,10 @@
 # Scope: the ONLY module touching torch.distributed.pipelining's private schedule runtime
-# (_PipelineScheduleRuntime, _Action). We feed it our own lowered action lists. Tested on torch 2.13.
+# (_PipelineScheduleRuntime, _Action). We feed it our own lowered action lists. Tested on torch 2.13 (the
+# import checks the range, versions.SUPPORTED). Public alternative checked: torch's schedule classes
+# (ScheduleLoopedBFS, ScheduleInterleaved1F1B, ...) have no breadth-first x groups order and their own FSDP prefetch.
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -11,14 +14,16 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
 from ..schedule import Op, Schedule
+from ..versions import check_version
 
+check_version("torch")
 if not (
     hasattr(_torch_schedules, "_PipelineScheduleRuntime")
     and hasattr(getattr(_torch_schedules, "_ComputationType", None), "REDUCE_GRAD")
 ):
     raise ImportError(
         f"lightning-bfpp needs torch.distributed.pipelining's schedule runtime with UNSHARD/RESHARD/REDUCE_GRAD "
-        f"actions (tested on torch 2.13); this is torch {torch.__version__}. Install torch>=2.13."
+        f"actions (tested on torch 2.13); this is torch {torch.__version__}. Install torch>=2.13,<2.14."
     )
 
 _TORCH_OP = {
@@ -61,3 +66,37 @@ def build_runtime(
     # and its FSDP prefetch policy is not ours). The stage->rank map is torch's default "loop" style.
     runtime.pipeline_order_with_comms = to_torch_actions(schedule)
     return runtime, stages
+
+
+def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, float, float], None],
+                       enabled: Callable[[], bool]) -> None:
+    """Call ``record(kind, micro_batch, start, end)`` ("F"/"B") around each forward/backward the runtime runs on
+    `stage` while ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
+    (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
+    backward, which the runtime runs through autograd outside any module call) and profiler spans (need the profiler on)."""
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        inner = getattr(stage, name)
+
+        def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
+            if not enabled():
+                return _inner(mb, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return _inner(mb, *args, **kwargs)
+            finally:
+                record(_kind, mb, t0, time.perf_counter())
+
+        setattr(stage, name, timed)
+
+
+def after_reduce_grad(stage: PipelineStage, callback: Callable[[], None]) -> None:
+    """Call `callback` right after the runtime ran `stage`'s REDUCE_GRAD action (``perform_reduce_grad``, which
+    the private runtime calls after the stage's last backward). Public alternative checked: gradient hooks on the
+    parameters (fire per parameter and per micro-batch, not once after the last one)."""
+    inner = stage.perform_reduce_grad
+
+    def reduce_after(*args, **kwargs):
+        inner(*args, **kwargs)
+        callback()
+
+    stage.perform_reduce_grad = reduce_after

@@ -1,0 +1,74 @@
+# Scope: the private Lightning (and torchmetrics) APIs lightning-bfpp uses. Each entry says why it is needed and which
+# public alternative was checked (Lightning 2.6.6, torchmetrics 1.9). Importing this module checks the installed
+# versions against the tested ranges (versions.SUPPORTED). Also private, and not wrappable here: the strategy
+# overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher).
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torchmetrics import Metric
+
+from .versions import check_version
+
+check_version("lightning")
+check_version("torchmetrics")
+
+# Lightning's popen launcher (this process is rank 0 and starts ranks 1.. as copies of the command line), which
+# launcher.CheckingLauncher subclasses and ModelParallelStrategy installs. Public alternative checked: none;
+# Lightning exports no launcher class (lightning.pytorch.strategies.launchers has only private names).
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+
+# torch.set_num_threads(cpu count / local processes) unless OMP_NUM_THREADS is set, as Lightning's launcher does
+# before running the function. Public alternative checked: torch.set_num_threads (would drop Lightning's rule).
+set_num_threads_if_needed = _set_num_threads_if_needed
+
+# Lightning's own step from meta-device to real parameters (reset_parameters per module, with a check that every
+# module has one), as ModelParallelStrategy does for its module. Public alternative checked: torch's
+# ``module.to_empty(device=...)`` + calling ``reset_parameters`` ourselves (the same, without Lightning's check).
+materialize_distributed_module = _materialize_distributed_module
+
+# Moves optimizer state tensors to the device after a checkpoint restore, as Lightning's strategies do. Public
+# alternative checked: none in Lightning or torch (Optimizer.load_state_dict casts to the params' device only).
+optimizers_to_device = _optimizers_to_device
+
+
+def process_group_timeout(strategy: ModelParallelStrategy) -> timedelta | None:
+    """The `timeout` given to ModelParallelStrategy (``_timeout``; it applies it to the default process group only).
+    Public alternative checked: none; the strategy does not expose it."""
+    return strategy._timeout
+
+
+# torchmetrics Metric state that user_steps.py carries across the pipeline group, so a metric the user logs on the
+# last stage is logged with the same step value by every pipeline rank. Public alternatives checked: ``forward()``
+# (would update the states on ranks without outputs: counted twice at compute()), ``metric_state`` (the reduced
+# states, not the step value) and ``reset()`` (also clears the states).
+
+def metric_step_value(metric: Metric) -> tuple[Any, int]:
+    """The value `metric`'s last forward() returned (``_forward_cache``) and its ``_update_count``."""
+    return metric._forward_cache, metric._update_count
+
+
+def set_metric_step_value(metric: Metric, forward_cache: Any, update_count: int) -> None:
+    """Make `metric` (never updated on this rank) log `forward_cache` as its step value; compute() runs anew."""
+    metric._forward_cache = forward_cache
+    metric._update_count = max(metric._update_count, update_count)  # compute() without update would warn
+    metric._computed = None
+
+
+def metric_reductions(metric: Metric) -> dict[str, Any]:
+    """Each state's reduction function (``_reductions``; to warn about mean-reduced states)."""
+    return metric._reductions
+
+
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a LightningOptimizer (its public ``.optimizer`` property), else `optimizer`."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,0 +1,67 @@
+"""parallel.build_mesh with a timeout (public new_subgroups_by_enumeration + DeviceMesh.from_group): the same ranks
+per dimension as init_device_mesh, and its groups time out after the given timeout. 4 gloo processes on the CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_bfpp.parallel import DP, PP, TP, build_mesh
+
+WORLD = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        found = {}
+        for pp, tp in ((2, 1), (1, 2), (2, 2), (4, 1)):
+            names = (PP, DP, TP) if tp > 1 else (PP, DP)
+            ours = build_mesh("cpu", pp, WORLD, timeout=timedelta(seconds=60), tensor_parallel=tp)
+            torch_s = build_mesh("cpu", pp, WORLD, tensor_parallel=tp)  # init_device_mesh
+            found[(pp, tp)] = [(dist.get_process_group_ranks(ours[n].get_group()),
+                                dist.get_process_group_ranks(torch_s[n].get_group())) for n in names]
+            assert ours.mesh.tolist() == torch_s.mesh.tolist()
+            t = torch.ones(())
+            dist.all_reduce(t, group=ours[names[-1]].get_group())  # the groups work
+            found[(pp, tp, "sum")] = t.item()
+        mesh = build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=2))
+        if rank == 0:  # rank 1 (its data-parallel peer) never joins: the all-reduce must fail after ~2 s, not 30 min
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(()), group=mesh[DP].get_group())
+                found["timeout"] = None
+            except RuntimeError:
+                found["timeout"] = time.monotonic() - start
+        elif rank == 1:
+            time.sleep(10)  # alive (a closed connection would fail the all-reduce at once), but not in the collective
+        out[rank] = found
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, start_method="spawn")
+    for rank in range(WORLD):
+        for key, dims in out[rank].items():
+            if len(key) == 2:
+                assert all(ours == theirs for ours, theirs in dims), (rank, key, dims)
+                assert rank in dims[0][0]
+        assert out[rank][(2, 2, "sum")] == 2.0 and out[rank][(1, 2, "sum")] == 2.0
+    assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]

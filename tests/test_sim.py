@@ -273,3 +273,14 @@ def test_residency_trades_memory_for_gathers():
     for k, r in res.items():
         assert r.step_time >= max(gathers[k].values()) * 3.0
     assert res["step"].step_time < res["cache"].step_time <= res["run"].step_time
+
+
+def test_sequence_parallel_sends_each_ranks_shard():
+    """With sequence parallel the stage-boundary activation is split over tp: each tp rank sends 1/tp of it."""
+    model = Model(8, 16, 1024, 512, 1024)
+    cluster = Cluster(devices=8, num_nodes=4, flops=1e14, device_memory=8e10, intra_bw=3e11, inter_bw=2.5e10, latency=1e-5)
+    kw = dict(pipeline_parallel=4, loops=1, data_parallel=1, micro_batch_size=2, micro_batches=4, tensor_parallel=8)
+    whole, split = (build_costs(model, cluster, sequence_parallel=sp, **kw) for sp in (False, True))
+    message = 2 * 2 * 512 * 1024  # bf16 x micro-batch x seq x width
+    assert whole.p2p_time(0, 1) == pytest.approx(1e-5 + message / 2.5e10)  # tp=8, dp=1: pipeline neighbours in other nodes
+    assert split.p2p_time(0, 1) == pytest.approx(1e-5 + message / 8 / 2.5e10)

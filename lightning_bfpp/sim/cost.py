@@ -195,7 +195,8 @@ def build_costs(
     NOTE: ranks are laid out as (pp, dp, tp) with tp innermost: global rank = (p * dp + d) * tp + t, so a tp
     group is one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
     Tensor-parallel collectives run on the in-node links on the compute's critical path (as the runtime's);
-    activations cross stages whole, each tp rank sending to its counterpart.
+    activations cross stages whole, each tp rank sending to its counterpart, or (sequence parallel) as each
+    rank's sequence shard (Korthikanti et al. 2022: the boundary tensor is sequence-split).
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}.")
@@ -213,50 +214,63 @@ def build_costs(
         if len(layout) != num_stages or sum(layout) != len(layers) or min(layout) < 1:
             raise ValueError(f"stage_layers={list(layout)} must list {num_stages} positive counts summing to "
                              f"the model's {len(layers)} layers.")
-    params, flops = layers.params, layers.forward_flops
-    acts = [a * micro_batch_size for a in layers.activation_bytes]
-    tokens = micro_batch_size * layers.seq
-    recompute = 1.0 if layers.recompute else 0.0
-    measured = [(f * micro_batch_size, b * micro_batch_size) for f, b in layers.times] if layers.times else None
-    tp_fwd, tp_bwd = _tp_times(layers, cluster, micro_batch_size)
-    work = [w * micro_batch_size for w in layers.workspace] if layers.workspace else [0.0] * len(layers)
     stages, start = [], 0
     for s, n in enumerate(layout):
-        p = sum(params[start:start + n])
-        if measured is not None:  # calibrated per-layer seconds (recomputation repeats the forward)
-            fwd = sum(f for f, _ in measured[start:start + n])
-            bwd = sum(b for _, b in measured[start:start + n]) + recompute * fwd
-        else:
-            fwd = sum(flops[start:start + n]) * tokens / cluster.flops
-            bwd = (cluster.backward_factor + recompute) * fwd
-        fwd_tp = sum(tp_fwd[start:start + n])
-        bwd_tp = sum(tp_bwd[start:start + n]) + recompute * fwd_tp
-        group = [((s % pp) * dp + d) * tp for d in range(dp)]
-        bw = cluster.group_bandwidth(group)
-        gather = ring_time(WEIGHT_BYTES * p, dp, bw, cluster.latency) if sharding == "full" else 0.0
-        if sharding == "full":  # bf16 reduce-scatter
-            reduce = ring_time(GRAD_BYTES * p, dp, bw, cluster.latency)
-        elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, bf16 all-gather of updated params
-            reduce = ring_time(4 * p, dp, bw, cluster.latency) + ring_time(WEIGHT_BYTES * p, dp, bw, cluster.latency)
-        else:  # bf16 all-reduce
-            reduce = 2 * ring_time(GRAD_BYTES * p, dp, bw, cluster.latency)
-        stages.append(StageCost(fwd + fwd_tp + cluster.overhead, bwd + bwd_tp + cluster.overhead, p,
-                                sum(acts[start:start + n]), gather, reduce, reduce_host=cluster.grad_scale * p,
-                                workspace=max(work[start:start + n]), inter_node=len({r // cluster.devices for r in group}) > 1))
+        stages.append(_stage_cost(layers, cluster, range(start, start + n), s % pp, dp, tp, micro_batch_size, sharding))
         start += n
-    message = activation_bytes * tokens * layers.width
+    tokens = micro_batch_size * layers.seq
+    # with sequence parallel the stage-boundary activation is split over tp along the sequence (the next
+    # layer norm runs on the shard), so each tp rank sends its 1/tp; without it every tp rank sends it whole
+    message = activation_bytes * tokens * layers.width / (tp if sequence_parallel and tp > 1 else 1)
+    p2p, inter_links = _p2p_links(cluster, pp, dp, tp, message)
+    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
+                 cluster.step_overhead, tp, inter_links)
+
+
+def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: int, tp: int, micro_batch_size: int,
+                sharding: str) -> StageCost:
+    """One stage (layers `span`, on pipeline rank `rank`) for one micro-batch: compute from calibrated layer
+    times or FLOPs (recomputation repeats the forward), tp collectives, dp collectives over its dp group."""
+    mbs, recompute = micro_batch_size, 1.0 if layers.recompute else 0.0
+    p = sum(layers.params[i] for i in span)
+    if layers.times:  # calibrated per-layer seconds
+        fwd = sum(layers.times[i][0] for i in span) * mbs
+        bwd = sum(layers.times[i][1] for i in span) * mbs + recompute * fwd
+    else:
+        fwd = sum(layers.forward_flops[i] for i in span) * mbs * layers.seq / cluster.flops
+        bwd = (cluster.backward_factor + recompute) * fwd
+    tp_fwd, tp_bwd = _tp_times(layers, cluster, mbs)
+    fwd_tp = sum(tp_fwd[i] for i in span)
+    bwd_tp = sum(tp_bwd[i] for i in span) + recompute * fwd_tp
+    group = [(rank * dp + d) * tp for d in range(dp)]
+    bw, lat = cluster.group_bandwidth(group), cluster.latency
+    gather = ring_time(WEIGHT_BYTES * p, dp, bw, lat) if sharding == "full" else 0.0
+    if sharding == "full":  # bf16 reduce-scatter
+        reduce = ring_time(GRAD_BYTES * p, dp, bw, lat)
+    elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, bf16 all-gather of updated params
+        reduce = ring_time(4 * p, dp, bw, lat) + ring_time(WEIGHT_BYTES * p, dp, bw, lat)
+    else:  # bf16 all-reduce
+        reduce = 2 * ring_time(GRAD_BYTES * p, dp, bw, lat)
+    work = max(layers.workspace[i] for i in span) * mbs if layers.workspace else 0.0
+    return StageCost(fwd + fwd_tp + cluster.overhead, bwd + bwd_tp + cluster.overhead, p,
+                     sum(layers.activation_bytes[i] for i in span) * mbs, gather, reduce,
+                     reduce_host=cluster.grad_scale * p, workspace=work,
+                     inter_node=len({r // cluster.devices for r in group}) > 1)
+
+
+def _p2p_links(cluster: Cluster, pp: int, dp: int, tp: int, message: float) -> tuple[dict, frozenset]:
+    """Seconds of one message between neighbouring pipeline ranks, and the links that cross nodes: the slowest
+    replica sets the pace (inter-node if any replica's pair crosses a node)."""
     p2p, inter_links = {}, set()
+    latency = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
     for src in range(pp):
         for dst in {(src + 1) % pp, (src - 1) % pp} - {src}:
-            # the slowest replica sets the pace: inter-node if any replica's pair crosses a node
             inter = any(((src * dp + d) * tp) // cluster.devices != ((dst * dp + d) * tp) // cluster.devices
                         for d in range(dp))
-            latency = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
             p2p[(src, dst)] = latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
             if inter:
                 inter_links.add((src, dst))
-    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
-                 cluster.step_overhead, tp, frozenset(inter_links))
+    return p2p, frozenset(inter_links)
 
 
 def _tp_times(layers: Layers, cluster: Cluster, micro_batch_size: int) -> tuple[list[float], list[float]]:

@@ -139,120 +139,151 @@ def _compile(schedule: Schedule) -> list[list[tuple]]:
 def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *, timeline: bool = True) -> SimResult:
     """Play `schedule` against `costs`; raise ScheduleError if the lists cannot make progress."""
     spec = schedule.spec
-    pp, n_stages = spec.pipeline_parallel, spec.num_stages
-    if len(costs.stages) != n_stages:
-        raise ValueError(f"costs describe {len(costs.stages)} stages but the schedule has {n_stages}.")
-    full = costs.sharding == "full"
-    forward_only = spec.forward_only
-    ranks = [_Rank(r, prog) for r, prog in enumerate(_compile(schedule))]
-    inputs: dict[tuple, float] = {}  # (stage, is_forward, mb) -> time the compute's input is on its rank
-    links: dict[tuple[int, int], float] = {}
-    events: list[Event] = []
-    stages = costs.stages
-    blocking_p2p, reduce_at_end, blocking_reduce = options.blocking_p2p, options.reduce_at_end, options.blocking_reduce
-    inter_links = costs.p2p_inter
+    if len(costs.stages) != spec.num_stages:
+        raise ValueError(f"costs describe {len(costs.stages)} stages but the schedule has {spec.num_stages}.")
+    play = _Play(schedule, costs, options, timeline)
+    play.run_all()
+    return play.result()
 
-    def run(r: _Rank) -> bool:
+
+class _Play:
+    """One simulated step: the ranks' state, the data each compute waits for, the p2p links' free times."""
+
+    def __init__(self, schedule: Schedule, costs: Costs, options: SimOptions, timeline: bool):
+        self.schedule, self.costs, self.options = schedule, costs, options
+        self.stages, self.full = costs.stages, costs.sharding == "full"
+        self.ranks = [_Rank(r, prog) for r, prog in enumerate(_compile(schedule))]
+        self.inputs: dict[tuple, float] = {}  # (stage, is_forward, mb) -> time the compute's input is on its rank
+        self.links: dict[tuple[int, int], float] = {}  # (src, dst) -> time the link is free
+        self.events: list[Event] | None = [] if timeline else None
+
+    def run_all(self) -> None:
+        """Round-robin over the ranks until every list is played (each rank runs until it waits on data)."""
+        pending = list(self.ranks)
+        while pending:
+            progressed = False
+            for r in pending:
+                progressed |= self.run(r)
+            if not progressed:
+                stuck = "; ".join(f"rank {r.rank} at action #{r.pc}" for r in pending)
+                raise ScheduleError(f"simulation of {self.schedule.spec.name} cannot progress: {stuck}")
+            pending = [r for r in pending if r.pc < len(r.program)]
+        for r in self.ranks:  # Megatron-style: reductions after the flush, one after the other
+            for s in r.deferred:
+                r.rs_free = max(r.rs_free, r.host)
+                self.reduce(r, s)
+
+    def run(self, r: _Rank) -> bool:
         """Play r's actions until one waits on data not yet produced; return whether any ran."""
-        prog, pc, n = r.program, r.pc, len(r.program)
-        start = pc
-        while pc < n:
-            a = prog[pc]
-            code, s = a[0], a[1]
-            st = stages[s]
+        start = r.pc
+        while r.pc < len(r.program):
+            a = r.program[r.pc]
+            code = a[0]
             if code <= _B:
-                need = a[3]
-                if need is None:
-                    t_in = 0.0
-                elif need in inputs:
-                    t_in = inputs[need]
-                else:
+                if not self.compute(r, a):
                     break
-                ready = r.ready.get(s, 0.0)
-                t0 = r.host if r.host >= ready else ready
-                if t_in > t0:
-                    t0 = t_in
-                if code == _F:
-                    dur = st.forward
-                    r.mem.append((t0, st.activation, "activations"))
-                    if forward_only:
-                        r.mem.append((t0 + dur, -st.activation, "activations"))
-                else:
-                    dur = st.backward
-                    r.mem.append((t0 + dur, -st.activation, "activations"))
-                    if st.workspace:
-                        r.mem.append((t0, st.workspace, "workspace"))
-                        r.mem.append((t0 + dur, -st.workspace, "workspace"))
-                    if full and s not in r.grads:
-                        r.grads.add(s)
-                        r.mem.append((t0, GRAD_BYTES * st.params, "gradients"))
-                t1 = t0 + dur
-                if timeline:
-                    events.append(Event(r.rank, "F" if code == _F else "B", s, a[2], t0, t1))
-                r.host = t1
-                r.busy += dur
-                if a[4] is not None:
-                    inputs[a[4]] = t1
             elif code == _SEND:
-                link = a[3]
-                t0 = max(r.host, links.get(link, 0.0))
-                t1 = t0 + costs.p2p_time(*link)
-                links[link] = t1
-                if link in inter_links and r.nic > t0:
-                    _share_nic(r, t0, t1 - t0)
-                inputs[a[4]] = t1
-                if timeline and t1 > t0:
-                    events.append(Event(r.rank, a[5], s, a[2], t0, t1))
-                if blocking_p2p:
-                    r.host = t1
+                self.send(r, a)
             elif code == _UNSHARD:
-                if full:
-                    t0 = max(r.host, r.ag_free, r.nic if st.inter_node else 0.0)
-                    r.ag_free = r.ready[s] = t0 + st.unshard
-                    if st.inter_node:
-                        r.nic, r.ag_stage = r.ag_free, s
-                    r.mem.append((t0, WEIGHT_BYTES * st.params, "weights"))
-                    if timeline and st.unshard:
-                        events.append(Event(r.rank, "UNSHARD", s, None, t0, r.ag_free))
-                else:
-                    r.ready[s] = 0.0
+                self.unshard(r, a[1])
             elif code == _RESHARD:
-                if full:
-                    r.mem.append((r.host, -WEIGHT_BYTES * st.params, "weights"))
+                if self.full:
+                    r.mem.append((r.host, -WEIGHT_BYTES * self.stages[a[1]].params, "weights"))
             elif code == _REDUCE:
-                r.host += st.reduce_host  # the runtime scales the stage's gradients on the host first
-                if reduce_at_end:
-                    r.deferred.append(s)
+                r.host += self.stages[a[1]].reduce_host  # the runtime scales the stage's gradients on the host first
+                if self.options.reduce_at_end:
+                    r.deferred.append(a[1])
                 else:
-                    _reduce(r, s, costs, full, events if timeline else None)
-                    if blocking_reduce:
+                    self.reduce(r, a[1])
+                    if self.options.blocking_reduce:
                         r.host = r.rs_free
-            pc += 1
-        r.pc = pc
-        return pc > start
+            r.pc += 1
+        return r.pc > start
 
-    pending = list(ranks)
-    while pending:
-        progressed = False
-        for r in pending:
-            progressed |= run(r)
-        if not progressed:
-            stuck = "; ".join(f"rank {r.rank} at action #{r.pc}" for r in pending)
-            raise ScheduleError(f"simulation of {spec.name} cannot progress: {stuck}")
-        pending = [r for r in pending if r.pc < len(r.program)]
+    def compute(self, r: _Rank, a: tuple) -> bool:
+        """A forward or backward: starts when the host, its weights and its input are ready; False if the
+        input is not produced yet. Records activation, workspace and unsharded-gradient bytes."""
+        code, s, mb, need, local = a
+        if need is None:
+            t_in = 0.0
+        elif need in self.inputs:
+            t_in = self.inputs[need]
+        else:
+            return False
+        st = self.stages[s]
+        t0 = max(r.host, r.ready.get(s, 0.0), t_in)
+        if code == _F:
+            dur = st.forward
+            r.mem.append((t0, st.activation, "activations"))
+            if self.schedule.spec.forward_only:
+                r.mem.append((t0 + dur, -st.activation, "activations"))
+        else:
+            dur = st.backward
+            r.mem.append((t0 + dur, -st.activation, "activations"))
+            if st.workspace:
+                r.mem += [(t0, st.workspace, "workspace"), (t0 + dur, -st.workspace, "workspace")]
+            if self.full and s not in r.grads:
+                r.grads.add(s)
+                r.mem.append((t0, GRAD_BYTES * st.params, "gradients"))
+        r.host = t0 + dur
+        r.busy += dur
+        if self.events is not None:
+            self.events.append(Event(r.rank, "F" if code == _F else "B", s, mb, t0, r.host))
+        if local is not None:
+            self.inputs[local] = r.host
+        return True
 
-    for r in ranks:
-        for s in r.deferred:
-            r.rs_free = max(r.rs_free, r.host)
-            _reduce(r, s, costs, full, events if timeline else None)
-    link_end: dict[int, float] = {}
-    for (src, _), t in links.items():  # a rank's last message may be on any of its links
-        link_end[src] = max(link_end.get(src, 0.0), t)
-    ends = [max(r.host + costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in ranks]
-    step_time = max(ends)
-    memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), costs)) for r in ranks]
-    return SimResult(schedule, step_time, events, [r.busy for r in ranks], memory, costs.tokens_per_step,
-                     tensor_parallel=costs.tensor_parallel)
+    def send(self, r: _Rank, a: tuple) -> None:
+        """A pipeline message on its rank pair's link (in order); an inter-node one shares the interface."""
+        _, s, mb, link, produced, kind = a
+        t0 = max(r.host, self.links.get(link, 0.0))
+        t1 = t0 + self.costs.p2p_time(*link)
+        self.links[link] = t1
+        if link in self.costs.p2p_inter and r.nic > t0:
+            _share_nic(r, t0, t1 - t0)
+        self.inputs[produced] = t1
+        if self.events is not None and t1 > t0:
+            self.events.append(Event(r.rank, kind, s, mb, t0, t1))
+        if self.options.blocking_p2p:
+            r.host = t1
+
+    def unshard(self, r: _Rank, s: int) -> None:
+        """All-gather of a stage's weights on the gather stream (and the interface when it crosses nodes)."""
+        if not self.full:
+            r.ready[s] = 0.0
+            return
+        st = self.stages[s]
+        t0 = max(r.host, r.ag_free, r.nic if st.inter_node else 0.0)
+        r.ag_free = r.ready[s] = t0 + st.unshard
+        if st.inter_node:
+            r.nic, r.ag_stage = r.ag_free, s
+        r.mem.append((t0, WEIGHT_BYTES * st.params, "weights"))
+        if self.events is not None and st.unshard:
+            self.events.append(Event(r.rank, "UNSHARD", s, None, t0, r.ag_free))
+
+    def reduce(self, r: _Rank, s: int) -> None:
+        """Gradient reduction of a stage on the reduce stream (and the interface); frees its unsharded grads."""
+        st = self.stages[s]
+        t0 = max(r.host, r.rs_free, r.nic if st.inter_node else 0.0)
+        r.rs_free = t0 + st.reduce
+        if st.inter_node:
+            r.nic = r.rs_free
+        if self.events is not None and st.reduce:
+            self.events.append(Event(r.rank, "REDUCE", s, None, t0, r.rs_free))
+        if self.full and s in r.grads:
+            r.grads.discard(s)
+            r.mem.append((r.rs_free, -GRAD_BYTES * st.params, "gradients"))
+
+    def result(self) -> SimResult:
+        """Step time: the last of every rank's host (+ per-step overhead), streams and outgoing links."""
+        link_end: dict[int, float] = {}
+        for (src, _), t in self.links.items():  # a rank's last message may be on any of its links
+            link_end[src] = max(link_end.get(src, 0.0), t)
+        ends = [max(r.host + self.costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in self.ranks]
+        spec = self.schedule.spec
+        memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
+        return SimResult(self.schedule, max(ends), self.events or [], [r.busy for r in self.ranks], memory,
+                         self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel)
 
 
 def _static_bytes(stages: list[int], costs: Costs) -> float:
@@ -269,19 +300,6 @@ def _share_nic(r: _Rank, t: float, delay: float) -> None:
     if r.rs_free > t:
         r.rs_free += delay
     r.nic += delay
-
-
-def _reduce(r: _Rank, s: int, costs: Costs, full: bool, events: list | None) -> None:
-    st = costs.stages[s]
-    t0 = max(r.host, r.rs_free, r.nic if st.inter_node else 0.0)
-    r.rs_free = t0 + st.reduce
-    if st.inter_node:
-        r.nic = r.rs_free
-    if events is not None and st.reduce:
-        events.append(Event(r.rank, "REDUCE", s, None, t0, r.rs_free))
-    if full and s in r.grads:
-        r.grads.discard(s)
-        r.mem.append((r.rs_free, -GRAD_BYTES * st.params, "gradients"))
 
 
 def evaluate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *, timeline: bool = True) -> SimResult:

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lightning_bfpp import procenv  # noqa: E402
-from lightning_bfpp.procenv import free_port  # noqa: E402
-
 ROOT = Path(__file__).resolve().parent.parent
+# The benchmarks are scripts run by path (benchmarks/ first on sys.path): the example's modules (procenv, gpt, data)
+# and the test launch helpers are imported by name, as under pytest (pyproject: pythonpath). The workers get the
+# same through procenv.clean_env's PYTHONPATH.
+sys.path[1:1] = [str(ROOT / "examples"), str(ROOT / "tests")]
+import procenv  # noqa: E402
+from procenv import free_port  # noqa: E402
+
 WORKER = ROOT / "benchmarks" / "worker.py"
 
 

@@ -14,14 +14,13 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import common  # noqa: E402,F401  (puts examples/ and tests/ on sys.path)
 from launch import start_lightning  # noqa: E402
 
 from lightning_bfpp.watchdog import pid_alive  # noqa: E402

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402,F401  (puts examples/ on sys.path)
 from gpt import GPT, GPTConfig, flops_per_token  # noqa: E402
 
 # dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity)

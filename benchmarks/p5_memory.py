@@ -3,15 +3,13 @@
 # pipeline partition causes (stages are whole layers) and what FSDP's padding of uneven shards adds.
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from common import ROOT, launch, model_config
+from common import launch, model_config
 
 
 def model_layers(model: str) -> list[int]:
     """Parameter count of each pipeline layer of the example GPT (built on CPU, here, once)."""
-    sys.path.insert(0, str(ROOT / "examples"))
     from gpt import GPT, GPTConfig
 
     gpt = GPT(GPTConfig(**model_config(model)))

@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, fmt  # noqa: E402
 
 MiB = 2**20

@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import p1_overhead  # noqa: E402
 import p2_bubble  # noqa: E402
 import p4_scaling  # noqa: E402

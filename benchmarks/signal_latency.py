@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import common  # noqa: E402,F401  (puts examples/ and tests/ on sys.path)
 from test_signals import STOPPED, newest_checkpoint_is_complete, signal_job  # noqa: E402
 
 

@@ -28,9 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
-from lightning_bfpp.procenv import clean_env, free_port, runqueue_wait  # noqa: E402
+import common  # noqa: E402,F401  (puts examples/ on sys.path)
+from procenv import clean_env, free_port, runqueue_wait  # noqa: E402
 
 SCHEDULES = {"breadth_first": 2, "depth_first": 2, "gpipe": 1, "1f1b": 1}  # name -> loops
 

@@ -29,7 +29,7 @@ from config_checks import check_config  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
-from lightning_bfpp.data import CorpusDataModule  # noqa: E402
+from data import CorpusDataModule  # noqa: E402  (examples/data.py)
 from lightning_bfpp.hf import CausalLM  # noqa: E402  (imports no transformers)
 from lightning_bfpp.metrics import PipelineMetrics  # noqa: E402
 

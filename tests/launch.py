@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_bfpp import procenv
-from lightning_bfpp.procenv import free_port
+import procenv
+from procenv import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "run_exact.py"

@@ -26,7 +26,6 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_model import StackNet, loader  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402

@@ -9,7 +9,6 @@ Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: f
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,12 +17,10 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from gpt import GPT, GPTConfig, OptimConfig  # noqa: E402
+from gpt import GPT, GPTConfig, OptimConfig
 
-from lightning_bfpp import BFPPStrategy  # noqa: E402
-from lightning_bfpp.tensor_parallel import tp_sharded  # noqa: E402
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.tensor_parallel import tp_sharded
 
 SAMPLES, BLOCK, VOCAB = 64, 8, 32
 

@@ -10,7 +10,6 @@ the CSV logger's rows)}.
 from __future__ import annotations
 
 import csv
-import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +17,6 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from user_module import Classifier, loader, reference_loader  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from lightning_bfpp.procenv import clean_env
+from procenv import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
@@ -234,7 +234,6 @@ def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
 
 
 # ---- run directories (issue 19): never shared by two runs ----
-sys.path.insert(0, str(ROOT / "examples"))
 import run_dir as rundir  # noqa: E402
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 from lightning_bfpp.schedule import ScheduleSpec, build_schedule  # noqa: E402
 from lightning_bfpp.sim import Cluster, Model, build_costs, simulate  # noqa: E402

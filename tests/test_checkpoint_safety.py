@@ -25,7 +25,7 @@ from exact_model import StackNet
 from launch import ROOT, SCRIPT, clean_env
 from lightning_bfpp.checkpoint.manifest import MANIFEST, STALE_TMP_S
 from lightning_bfpp.checkpoint.safety import read_dcp_metadata
-from lightning_bfpp.procenv import free_port
+from procenv import free_port
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 TRAIN = ROOT / "examples" / "train.py"

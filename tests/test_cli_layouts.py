@@ -101,10 +101,9 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
     out = tmp_path / "gpt.ckpt"
     subprocess.run([sys.executable, "-m", "lightning_bfpp.checkpoint", str(first / "checkpoints" / "step-4.ckpt"), str(out)],
                    env=clean_env(), cwd=ROOT, check=True, capture_output=True, timeout=120)
-    sys.path.insert(0, str(ROOT / "examples"))
     from gpt import GPT, GPTConfig
 
-    from lightning_bfpp.data import CorpusDataModule
+    from data import CorpusDataModule
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=COMMON + layout)

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_bfpp.data import (
+from data import (
     ByteWindows,
     CorpusDataModule,
     load_corpus,

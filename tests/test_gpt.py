@@ -1,16 +1,13 @@
 # Scope: the example GPT — layer shapes, the loss at init, the hooks, checkpointing, the optimizer.
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor  # noqa: E402
+from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor
 
-from lightning_bfpp.hooks import check_hooks  # noqa: E402
+from lightning_bfpp.hooks import check_hooks
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

@@ -8,7 +8,7 @@ import math
 import pytest
 from hydra import compose, initialize_config_dir
 
-from test_app import CONF, ROOT, run_cli
+from test_app import CONF, run_cli
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install lightning-bfpp[hf])")
 
@@ -31,9 +31,6 @@ def test_hf_model_trains_from_the_command_line(tmp_path, model, extra):
 
 def test_hf_configs_follow_the_layer_rule():
     """n_layer + 2 pipeline layers (embedding, decoder layers, norm + head), as for the example GPT."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "examples"))
     from config_checks import ConfigError, check_config
 
     for model in ("hf_llama_tiny", "hf_gpt2_tiny"):

@@ -17,7 +17,7 @@ from launch import ROOT, clean_env  # noqa: E402
 from run_hf_exact import LR, hf_model, lightning_batches  # noqa: E402
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli  # noqa: E402
-from lightning_bfpp.procenv import free_port  # noqa: E402
+from procenv import free_port  # noqa: E402
 
 TOL = 1e-6
 STEPS, BATCH = 3, 8

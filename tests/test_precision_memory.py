@@ -200,13 +200,11 @@ def test_stage_module_checkpointing_keeps_names_and_gradients_and_saves_only_lay
 def test_app_applies_activation_checkpointing_once():
     """model.activation_checkpointing goes to BFPPStrategy under bfpp (the GPT blocks' own is off), and to the
     GPT blocks under strategy=auto."""
-    import sys
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
 
     root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "examples"))
     import train
 
     for strategy in ("bfpp", "auto"):

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning_bfpp.checkpoint as ckpt  # noqa: E402
 from exact_model import reference  # noqa: E402
 from launch import SCRIPT, clean_env, start_lightning  # noqa: E402
-from lightning_bfpp.procenv import free_port  # noqa: E402
+from procenv import free_port  # noqa: E402
 from lightning_bfpp.watchdog import pid_alive  # noqa: E402
 
 WORLD = 2

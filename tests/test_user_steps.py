@@ -15,7 +15,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from launch import ROOT, clean_env
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.procenv import free_port
+from procenv import free_port
 from lightning_bfpp.user_steps import _pack, pipeline_answers_forward, recording_logs
 from user_module import VAL, Classifier
 

@@ -1,5 +1,6 @@
 # Scope: starting fresh distributed processes from a script, a test or a benchmark: a free local port
-# and an environment without the variables of whatever launcher started the caller.
+# and an environment without the variables of whatever launcher started the caller (tests, benchmarks and
+# examples/calibrate.py start worker processes).
 from __future__ import annotations
 
 import os
@@ -21,9 +22,10 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment minus launcher variables, with the repository on PYTHONPATH."""
+    """This process's environment minus launcher variables, with the repository and examples/ on PYTHONPATH (a
+    worker imports the example's modules by their names, `gpt`, `data`, as the scripts in examples/ do)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
-    return {**env, "PYTHONPATH": str(ROOT), **extra}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples")]), **extra}
 
 
 def runqueue_wait() -> float:

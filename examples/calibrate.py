@@ -1,4 +1,5 @@
-"""Measure this machine for the simulator and write a cluster yaml (conf/cluster/<name>.yaml).
+"""Measure this machine for the simulator and write a cluster yaml (conf/cluster/<name>.yaml). The format, the
+fit from samples to its keys and the writing are `lightning_bfpp.calibration`'s; this script measures.
 
     python examples/calibrate.py --model gpt_small --base cpu_2 --micro-batch-size 4 \
         --out conf/cluster/cpu_2_calibrated.yaml
@@ -32,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,12 +42,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
-from lightning_bfpp.procenv import free_port, runqueue_wait  # noqa: E402
+from procenv import free_port, runqueue_wait  # examples/procenv.py, next to this script
 
-SHAPE_KEYS = ("n_head", "n_embd", "block_size", "vocab_size")  # what per-layer times depend on (not n_layer)
+from lightning_bfpp.calibration import SHAPE_KEYS, load_cluster, save_cluster, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 
@@ -68,16 +66,6 @@ def sample(fn: Callable[[], object], repeats: int, *, prepare: Callable[[], obje
         if i:
             out.append((t1 - t0, w1 - w0))
     return out
-
-
-def robust(samples: list[tuple[float, float]], max_wait: float) -> tuple[float, int]:
-    """Median of the samples that waited at most `max_wait` of their time (clean); with fewer than 3 clean
-    ones, the lower quartile of all. Returns (seconds, number of clean samples)."""
-    clean = [t for t, w in samples if w <= max_wait * t]
-    if len(clean) >= 3:
-        return statistics.median(clean), len(clean)
-    times = sorted(t for t, _ in samples)
-    return times[len(times) // 4], len(clean)
 
 
 def _gather(value):
@@ -331,80 +319,12 @@ def run_measurements(model_cfg: dict, *, devices: int, threads: int, micro_batch
                 p.kill()
 
 
-def summarize(raw: list[dict], model_cfg: dict, *, micro_batch_size: int, threads: int, nbytes: int,
-              max_wait: float) -> dict:
-    """Cluster-yaml numbers from the raw samples of all processes."""
-    from lightning_bfpp.sim import Model
-    from lightning_bfpp.sim.cost import ring_time
-
-    world = len(raw)
-    clean: dict[str, int] = {}
-
-    def pooled(key: str, get) -> float:
-        value, n = robust([s for r in raw for s in get(r)], max_wait)
-        clean[key] = n
-        return value
-
-    layers = {}
-    for name in ("embedding", "block", "head"):
-        layers[name] = [pooled(f"{name}.{d}", lambda r, n=name, d=d: r["layers"][n][d]) for d in ("forward", "backward")]
-    solo = [robust(raw[0]["block_solo"][d], max_wait)[0] for d in ("forward", "backward")]
-    one_stage = pooled("one_stage_overhead", lambda r: r["overhead"])
-    pipe, real = raw[0]["pipeline"], raw[0]["pipeline_block"]
-    clean.update({f"pipeline.{k}": len(v) for k, v in pipe.items() if k != "params"})
-    clean.update({f"pipeline_block.{k}": len(v) for k, v in real.items() if k != "params"})
-    med = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
-    in_action = med(pipe["durations"])  # a ~zero-FLOP action: all of it is the runtime's bookkeeping
-    gap, delay = med(real["gaps"]), med(real["delays"])  # around real blocks (freeing graphs, bigger grads)
-    overhead = in_action + gap  # the simulator folds the host gap after an action into the action
-    grad_scale = pooled("grad_scale", lambda r: r["grad_scale"])
-    comm = raw[0]["comm"]
-    lat = robust(comm["ping_pong_small"], max_wait)[0] / 2  # one way
-    p2p = robust(comm["ping_pong_big"], max_wait)[0] / 2
-    p2p_bw = nbytes / max(p2p - lat, 1e-9)
-    message = 4 * micro_batch_size * model_cfg["block_size"] * model_cfg["n_embd"]  # fp32 activation
-    # what a waiting consumer sees after the producer's action and its host gap, beyond the bytes on the wire
-    p2p_latency = max(delay - gap - message / p2p_bw, lat)
-    # fixed cost per step and rank (micro-batch split, last sends, losses), beyond the gradient scaling
-    step_overhead = max(med(real["ends"]) - grad_scale * real["params"][0], 0.0)
-    ring = {}
-    for key, full in (("all_gather", world * nbytes), ("reduce_scatter", world * nbytes)):
-        s = robust(comm[key], max_wait)[0]
-        # ring_time(full, world, bw, lat) = (w-1)/w * full / bw + (w-1) * lat  ->  solve for bw
-        ring[key] = (world - 1) / world * full / max(s - (world - 1) * lat, 1e-9)
-    block_flops = Model.from_dict(model_cfg).layer_forward_flops()[1] * micro_batch_size * model_cfg["block_size"]
-    fwd, bwd = layers["block"]
-    cluster = {
-        "achieved_flops": float(f"{block_flops / fwd:.4g}"),
-        "backward_factor": round(bwd / fwd, 3),
-        "compute_overhead": float(f"{overhead:.4g}"),
-        "grad_scale_time_per_param": float(f"{grad_scale:.4g}"),
-        "step_overhead": float(f"{step_overhead:.4g}"),
-        "intra_node_bandwidth": float(f"{p2p_bw:.4g}"),
-        "inter_node_bandwidth": float(f"{p2p_bw:.4g}"),
-        "collective_bandwidth": float(f"{min(ring.values()):.4g}"),
-        "latency": float(f"{lat:.4g}"),
-        "p2p_latency": float(f"{p2p_latency:.4g}"),
-        "layer_times": {
-            "model": {k: int(model_cfg[k]) for k in SHAPE_KEYS},
-            "micro_batch_size": int(micro_batch_size),
-            "threads": int(threads),
-            "processes": world,
-            **{name: [float(f"{v:.5g}") for v in fb] for name, fb in layers.items()},
-        },
-    }
-    info = {"step_ends": med(real["ends"]), "one_stage_overhead": one_stage, "action_inside": in_action, "action_gap": gap, "p2p_delay": delay,
-            "block_solo": solo, "clean_samples": clean, "ring_bandwidth": ring, "p2p_s": p2p,
-            "check_ring_time": ring_time(world * nbytes, world, cluster["collective_bandwidth"], lat)}
-    return {"cluster": cluster, "info": info}
-
-
 def calibrate(model: str = "gpt_small", base: str = "cpu_2", *, micro_batch_size: int = 4, repeats: int = 15,
               message_mb: float = 1.0, threads: int | None = None, max_wait: float = 0.03,
               out: str | Path | None = None, verbose: bool = True) -> dict:
     """Measure, and return (and write to `out`) the calibrated cluster dict."""
     model_cfg = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
-    base_cfg = yaml.safe_load((ROOT / "conf" / "cluster" / f"{base}.yaml").read_text())
+    base_cfg = load_cluster(ROOT / "conf" / "cluster" / f"{base}.yaml")
     devices = max(2, int(base_cfg["devices"]))
     threads = threads or max(1, (os.cpu_count() or 2) // devices)  # Lightning's launcher: cores // processes
     nbytes = int(message_mb * 1e6) // 4 * 4
@@ -439,11 +359,10 @@ def calibrate(model: str = "gpt_small", base: str = "cpu_2", *, micro_batch_size
     if out:
         shown = Path(out).resolve()
         shown = shown.relative_to(ROOT) if ROOT in shown.parents else shown
-        header = (f"# Calibrated by `python examples/calibrate.py --model {model} --base {base} --micro-batch-size "
-                  f"{micro_batch_size} --out {shown}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
-                  f"# ({devices} processes x {threads} thread(s); clean samples per measurement: "
-                  f"{info['clean_samples']}). Seconds, bytes/s, FLOP/s.\n")
-        Path(out).write_text(header + yaml.safe_dump(cluster, sort_keys=False))
+        command = (f"python examples/calibrate.py --model {model} --base {base} --micro-batch-size {micro_batch_size} "
+                   f"--out {shown}")
+        save_cluster(out, cluster, command=command, processes=devices, threads=threads,
+                     clean_samples=info["clean_samples"])
         if verbose:
             print(f"wrote {out}")
     return cluster

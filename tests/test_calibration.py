@@ -1,4 +1,4 @@
-"""Calibration file format: examples/calibrate.py's summary -> cluster yaml -> simulator (no processes)."""
+"""Calibration file format: lightning_bfpp.calibration.summarize -> cluster yaml -> simulator (no processes)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _raw(world: int = 2) -> list[dict]:
 
 
 def test_summary_round_trips_through_yaml_into_the_simulator(tmp_path):
-    from calibrate import summarize
+    from lightning_bfpp.calibration import load_cluster, save_cluster, summarize
 
     summary = summarize(_raw(), MODEL, micro_batch_size=4, threads=1, nbytes=1_000_000, max_wait=0.03)
     c = summary["cluster"]
@@ -59,8 +59,11 @@ def test_summary_round_trips_through_yaml_into_the_simulator(tmp_path):
     assert c["collective_bandwidth"] == pytest.approx(5e8, rel=1e-3)  # the slower of all-gather, reduce-scatter
     base = yaml.safe_load((ROOT / "conf" / "cluster" / "cpu_2.yaml").read_text())
     path = tmp_path / "cal.yaml"
-    path.write_text(yaml.safe_dump({**base, **c}, sort_keys=False))
-    cluster = Cluster.from_dict(yaml.safe_load(path.read_text()))
+    save_cluster(path, {**base, **c}, command="calibrate --test", processes=2, threads=1,
+                 clean_samples=summary["info"]["clean_samples"])
+    assert path.read_text().startswith("# Calibrated by `calibrate --test` on ")
+    assert load_cluster(path) == {**base, **c}
+    cluster = Cluster.from_dict(load_cluster(path))
     assert cluster.layer_times is not None and cluster.layer_times.block == (0.01, 0.02)
     assert cluster.overhead == pytest.approx(7e-4) and cluster.collective_bw == pytest.approx(5e8, rel=1e-3)
     assert cluster.step_overhead == pytest.approx(c["step_overhead"]) and cluster.p2p_latency == c["p2p_latency"]

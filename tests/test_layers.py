@@ -87,7 +87,8 @@ def _run(code: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("package", ["lightning_bfpp", "lightning_bfpp.schedule", "lightning_bfpp.sim"])
+@pytest.mark.parametrize("package", ["lightning_bfpp", "lightning_bfpp.schedule", "lightning_bfpp.sim",
+                                     "lightning_bfpp.calibration"])
 def test_pure_packages_import_neither_lightning_nor_torch_distributed(package):
     loaded = _run(f"import sys, {package}\nprint(' '.join(sorted(sys.modules)))").split()
     heavy = [m for m in loaded if _under(m, ("lightning", "pytorch_lightning", "torch.distributed", "lightning_bfpp.strategy"))]

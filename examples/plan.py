@@ -35,8 +35,10 @@ def main(cfg: DictConfig) -> None:
     start = time.perf_counter()
     plans = search(model, cluster, int(cfg.data.batch_size), options=options, top=int(p.top),
                    schedules=list(p.schedules), shardings=list(p.shardings), loops=list(p.loops),
-                   max_micro_batches=int(p.max_micro_batches), max_groups=int(p.max_groups),
-                   tensor_parallels=list(p.tensor_parallels) if p.get("tensor_parallels") else None)
+                   max_micro_batches=int(p.max_micro_batches) if p.get("max_micro_batches") else None,
+                   max_groups=int(p.max_groups),
+                   tensor_parallels=list(p.tensor_parallels) if p.get("tensor_parallels") else None,
+                   residencies=("step",))  # the runtime keeps a stage's weights as its schedule lowers them
     elapsed = time.perf_counter() - start
     if not plans:
         print(f"error: no layout of model={cfg.model.name} fits cluster={cfg.cluster.name} "

@@ -1,8 +1,8 @@
 # Scope: examples/train.py's preflight — the rules of the app's own Hydra keys (cluster, data, model, optim,
 # trainer), checked in the launching process before the Trainer starts any process. Each error names the key,
-# its value, the rule and a fix. Schedule knobs (schedule.name, micro_batches, loops, groups, sharding,
-# stage_layers) are checked by BFPPStrategy when train.py builds it, the model's layers against the stages and
-# `ckpt_path` by its launcher.
+# its value, the rule and a fix. The layout (world, schedule knobs, layers, batch) is checked by the library's
+# own rules (lightning_bfpp.schedule.dims.ParallelDims) in the app's key names; stage_layers and the model's
+# layers by BFPPStrategy's launcher, and `ckpt_path` by its launcher.
 from __future__ import annotations
 
 import inspect
@@ -10,6 +10,8 @@ import math
 from difflib import get_close_matches
 
 from omegaconf import DictConfig, OmegaConf
+
+from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
             "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size", "trainer.max_steps")
@@ -147,53 +149,35 @@ def check_optim(cfg: DictConfig) -> None:
 
 
 def check_layout(cfg: DictConfig) -> int | None:
-    """World size, pipeline stages and the global batch; returns data_parallel (None: BFPPStrategy will name
-    an illegal schedule knob)."""
+    """World size, pipeline stages and the global batch, by the layout's own rules (``ParallelDims.validate``)
+    in the app's key names; returns data_parallel (None: BFPPStrategy will name an illegal schedule knob)."""
     def get(key: str):
         return OmegaConf.select(cfg, key)
 
-    devices, nodes, batch = get("cluster.devices"), get("cluster.num_nodes"), get("data.batch_size")
-    world, dp, m = devices * nodes, devices * nodes, 1
+    devices, nodes = get("cluster.devices"), get("cluster.num_nodes")
+    dims, n_layer = ParallelDims(world=devices * nodes, devices_per_node=devices), None
     if get("trainer.strategy") == "bfpp":
         pp, loops, m = get("schedule.pipeline_parallel"), get("schedule.loops"), get("schedule.micro_batches")
-        tp = get("schedule.tensor_parallel") or 1
-        m = pp if m is None else m
+        m, tp = pp if m is None else m, get("schedule.tensor_parallel") or 1
         if not all(_is_positive_int(v) for v in (pp, loops, m, tp)):
             return None  # BFPPStrategy names the illegal schedule knob
-        if world % pp:
-            fits = [d for d in range(1, world + 1) if world % d == 0]
-            raise ConfigError(
-                f"schedule.pipeline_parallel={pp} must divide the world size cluster.devices x cluster.num_nodes = "
-                f"{devices} x {nodes} = {world}; use schedule.pipeline_parallel in {fits}, or cluster.devices a "
-                f"multiple of {pp}."
-            )
-        if devices % tp or world % (pp * tp):
-            fits = [t for t in range(1, devices + 1) if devices % t == 0 and world % (pp * t) == 0]
-            raise ConfigError(
-                f"schedule.tensor_parallel={tp} must divide cluster.devices={devices} (a tensor-parallel group stays in "
-                f"one node) and, times schedule.pipeline_parallel={pp}, the world size {world}; use "
-                f"schedule.tensor_parallel in {fits}."
-            )
+        spec = ScheduleSpec(get("schedule.name"), pipeline_parallel=pp, loops=loops, micro_batches=m,
+                            groups=get("schedule.groups") or 1)
+        dims = ParallelDims(world=devices * nodes, devices_per_node=devices, spec=spec, tensor_parallel=tp,
+                            sharding=get("schedule.sharding") or "full")
         n_layer = get("model.n_layer")
-        stages, layers = pp * loops, n_layer + 2  # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
-        if stages > layers:
-            fix = f"schedule.loops={layers // pp}" if layers >= pp else f"schedule.pipeline_parallel<={layers}"
-            raise ConfigError(
-                f"schedule.pipeline_parallel x schedule.loops = {pp} x {loops} = {stages} stages need at least as many "
-                f"layers, but model.n_layer={n_layer} makes {layers} (embedding, {n_layer} blocks, head); use "
-                f"{fix}, or model.n_layer={stages - 2}."
-            )
-        dp = world // (pp * tp)
-    unit = dp * m
-    if batch % unit:
-        sizes = " or ".join(str(b) for b in sorted({max(unit, batch // unit * unit), (batch // unit + 1) * unit}))
-        split = f", in {m} micro-batches); use data.batch_size={sizes}, or change schedule.micro_batches." if m > 1 \
-            else f"); use data.batch_size={sizes}."
-        raise ConfigError(
-            f"data.batch_size={batch} (global, per optimizer step) must be divisible by data_parallel x micro_batches "
-            f"= {dp} x {m} = {unit} (each data-parallel replica loads data.batch_size / {dp}{split}"
-        )
-    return dp
+    names = Names(
+        pipeline_parallel="schedule.pipeline_parallel", tensor_parallel="schedule.tensor_parallel",
+        loops="schedule.loops", micro_batches="schedule.micro_batches", sharding="schedule.sharding",
+        world="cluster.devices x cluster.num_nodes", devices="cluster.devices", batch="data.batch_size",
+        # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
+        layers=f"model.n_layer={n_layer} (embedding, {n_layer} blocks, head)")
+    try:
+        dims.validate(num_layers=None if n_layer is None else n_layer + 2, global_batch=get("data.batch_size"),
+                      names=names)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return dims.data_parallel
 
 
 def corpus_windows(max_bytes: int, val_fraction: float, block_size: int, stride: int | None) -> tuple[int, int, int, int]:

@@ -2,6 +2,7 @@
 # (inherit `PipelineHooks` for the defaults and docs, or define them by duck typing).
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,3 +82,39 @@ def check_hooks(module: nn.Module) -> None:
                 f"strategy='bfpp' needs `{type(module).__name__}.{hook}()`: "
                 "see lightning_bfpp.PipelineHooks for the contract (README: 'Adapting a model')."
             )
+
+
+def check_module(module: nn.Module, precision: str, loss_scaling: bool) -> None:
+    """Raise naming the setting when strategy='bfpp' cannot honour `module` as written: a missing hook, manual
+    optimization, a `training_step(dataloader_iter)`, or fp16 (`precision`; `loss_scaling`: a grad scaler)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    check_hooks(module)
+    name = type(module).__name__
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{name}.automatic_optimization=False: strategy='bfpp' runs forward and backward of every micro-batch "
+            "itself inside the training step, so a manual optimization loop cannot run; use automatic "
+            "optimization (return the loss, or let bfpp compute it with pipeline_loss) or another strategy."
+        )
+    if is_overridden("training_step", module) and "dataloader_iter" in inspect.signature(module.training_step).parameters:
+        raise ValueError(f"{name}.training_step(dataloader_iter): strategy='bfpp' needs one batch per step; take `batch`.")
+    if loss_scaling or precision.startswith("16"):
+        raise ValueError(
+            f"precision={precision!r}: strategy='bfpp' does not support fp16 (no loss scaling across pipeline "
+            "stages; fp16 overflows within steps); use precision='bf16-mixed' or 'bf16-true' (or '32-true')."
+        )
+
+
+def describe_contract(module: nn.Module) -> str:
+    """One line saying which of the user's methods bfpp runs as written and which the pipeline replaces."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    name = type(module).__name__
+    metrics = "pipeline_train_metrics(output, target)" if callable(getattr(module, "pipeline_train_metrics", None)) \
+        else "none (define pipeline_train_metrics(output, target) to log training metrics)"
+    replaced = (f"{name}.training_step is not run: " if is_overridden("training_step", module) else "") + \
+        "each training step runs the pipeline schedule with pipeline_loss per micro-batch and logs train_loss"
+    as_written = [m for m in ("validation_step", "test_step", "predict_step") if is_overridden(m, module)]
+    return (f"bfpp: {replaced}; training metrics: {metrics}; run as written on the last stage with self(x) = the "
+            f"pipeline's output: {', '.join(as_written) or 'none'} (README: Adapting a model).")

@@ -72,3 +72,9 @@ def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """Give the LightningModule its ``device_mesh`` (a read-only property over ``_device_mesh``), as Lightning's
+    ModelParallelStrategy does in its ``setup_environment``. Public alternative checked: none (no setter)."""
+    module._device_mesh = mesh

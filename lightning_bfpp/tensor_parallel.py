@@ -1,7 +1,7 @@
-# Scope: tensor parallel inside the pipeline stages. The layout rule (tp innermost, within one node), the model's
-# per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name) checked before launch, and its
-# application to each local stage's layers (torch's parallelize_module over the tp mesh) before FSDP shards the
-# stage over data parallel. What crosses stages stays the full activation: plans end layers replicated.
+# Scope: tensor parallel inside the pipeline stages (its layout rule, tp innermost within one node, is in
+# ``schedule.dims``). The model's per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name)
+# checked before launch, and its application to each local stage's layers (torch's parallelize_module over the
+# tp mesh) before FSDP shards the stage over data parallel. What crosses stages stays the full activation: plans end layers replicated.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -17,25 +17,6 @@ from .partition import layer_names
 
 HOOK = "pipeline_tp_plan"
 Plans = dict[int, tuple[str, nn.Module, dict]]  # id(layer) -> (layer name, layer, {submodule pattern: ParallelStyle})
-
-
-def check_tensor_parallel(tensor_parallel: int, pipeline_parallel: int, world: int, devices_per_node: int) -> None:
-    """Raise a ValueError naming `tensor_parallel` and the fix when tp does not fit the world or one node."""
-    tp, pp = tensor_parallel, pipeline_parallel
-    if tp == 1 or not world:
-        return
-    if devices_per_node % tp:
-        fits = [t for t in range(1, devices_per_node + 1) if devices_per_node % t == 0]
-        raise ValueError(
-            f"tensor_parallel={tp} must divide the devices per node ({devices_per_node}): a tensor-parallel group "
-            f"all-reduces inside every layer, so it stays within one node; use tensor_parallel in {fits}."
-        )
-    if world % (pp * tp):
-        fits = [t for t in range(1, devices_per_node + 1) if devices_per_node % t == 0 and world % (pp * t) == 0]
-        raise ValueError(
-            f"pipeline_parallel x tensor_parallel = {pp} x {tp} must divide the world size {world}: data_parallel = "
-            f"world / (pipeline_parallel x tensor_parallel); use tensor_parallel in {fits}, or another pipeline_parallel."
-        )
 
 
 def _split_dim(module: nn.Module, style) -> int | None:

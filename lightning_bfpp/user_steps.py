@@ -190,3 +190,26 @@ def run_on_last_stage(
             result = _to(record.result, device)
     nonfinite = replay(module, record.calls, holds_last_stage, dp_group, device)
     return result, nonfinite
+
+
+def user_step(module: LightningModule, runner: Any, step: str, args: tuple, kwargs: dict,
+              run: Callable[[Callable[[], Any]], tuple[Any, list[str]]]) -> Any:
+    """The user's own `step` (validation_step, test_step, predict_step) with `self(x)` answered by the pipeline's
+    forward of this batch (`runner`); a predict_step the user did not write returns that output. `run` runs a
+    function on the last stage and replays its logs everywhere (``run_on_last_stage`` with the job's groups)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    batch = kwargs.get("batch", args[0] if args else None)
+    inputs = module.pipeline_inputs(batch)[0]
+    output = runner.predict_step(inputs)  # every rank takes part; the output is on the last stage's ranks
+    if not is_overridden(step, module):
+        method = lambda: output  # noqa: E731  (Lightning's default predict_step is self(batch))
+    else:
+        def method():
+            with pipeline_answers_forward(module, inputs, output, step):
+                return getattr(module, step)(*args, **kwargs)
+    result, nonfinite = run(method)
+    if nonfinite:
+        rank_zero_warn(f"{type(module).__name__}.{step} logged non-finite {', '.join(nonfinite)} "
+                       f"(batch {kwargs.get('batch_idx', args[1] if len(args) > 1 else '?')}).")
+    return result

@@ -40,9 +40,8 @@ def private_uses(source: str) -> list[str]:
     return found
 
 
-MODULES = [pytest.param(p, id=str(p.relative_to(PKG)), marks=[pytest.mark.xfail(
-    strict=True, reason="strategy.py is wired to lightning_private by its owner (issue 17 item 3)")]
-    if p.name == "strategy.py" else []) for p in sorted(PKG.rglob("*.py")) if str(p.relative_to(PKG)) not in BRIDGES]
+MODULES = [pytest.param(p, id=str(p.relative_to(PKG))) for p in sorted(PKG.rglob("*.py"))
+           if str(p.relative_to(PKG)) not in BRIDGES]
 
 
 @pytest.mark.parametrize("path", MODULES)

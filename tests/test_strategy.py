@@ -14,6 +14,7 @@ import lightning_bfpp
 from exact_model import StackNet
 from launch import ROOT, clean_env
 from lightning_bfpp import BFPPStrategy, ScheduleError
+from lightning_bfpp.measure import measure_now
 from lightning_bfpp.partition import RemoteLayer, balanced_layout, plan_stages, split_stages
 
 
@@ -42,7 +43,8 @@ def test_bad_settings_fail_at_construction(kwargs, error, match):
 def test_measurement_runs_on_logging_steps_every_n_steps_or_never():
     def measured(strategy, log_every=5, max_steps=12):
         return [g for g in range(12)
-                if strategy._measure_now(SimpleNamespace(log_every_n_steps=log_every, global_step=g, max_steps=max_steps))]
+                if measure_now(SimpleNamespace(log_every_n_steps=log_every, global_step=g, max_steps=max_steps),
+                               strategy.measure_every_n_steps)]
 
     assert measured(BFPPStrategy()) == [4, 9, 11]  # Lightning's logging steps and the last step
     assert measured(BFPPStrategy(), max_steps=-1) == [4, 9]

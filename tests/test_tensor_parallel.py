@@ -19,7 +19,11 @@ import run_tp  # noqa: E402
 from gpt import GPT  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402
-from lightning_bfpp.tensor_parallel import check_tensor_parallel, layer_plans  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
+
+from lightning_bfpp.schedule import ScheduleSpec  # noqa: E402
+from lightning_bfpp.schedule.dims import ParallelDims  # noqa: E402
+from lightning_bfpp.tensor_parallel import layer_plans  # noqa: E402
 
 EXACT, RESUME = 1e-6, 1e-5
 STEPS, BATCH = 3, 8
@@ -172,10 +176,14 @@ def test_bytes_per_rank_are_one_over_pp_dp_tp(runs):
 
 # ---- settings refused before launch (no processes) ----
 def test_tensor_parallel_must_fit_a_node_and_the_world():
-    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide the devices per node \(4\).*\[1, 2, 4\]"):
-        check_tensor_parallel(3, 1, 4, 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide the processes per node devices=4.*\[1, 2, 4\]"):
+        ParallelDims(world=4, devices_per_node=4, tensor_parallel=3).validate()
     with pytest.raises(ValueError, match=r"pipeline_parallel x tensor_parallel = 4 x 2 must divide the world size 4"):
-        check_tensor_parallel(2, 4, 4, 4)
+        ParallelDims(world=4, devices_per_node=4, tensor_parallel=2,
+                     spec=ScheduleSpec(pipeline_parallel=4, micro_batches=4)).validate()
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide the processes per node devices=4"):
+        Trainer(strategy=BFPPStrategy(pipeline_parallel=1, tensor_parallel=3), accelerator="cpu", devices=4,
+                logger=False, enable_progress_bar=False)  # the world is known: checked before any process starts
     with pytest.raises(ValueError, match="tensor_parallel=0 must be a positive integer"):
         BFPPStrategy(tensor_parallel=0)
 

@@ -156,24 +156,17 @@ class BoringPipeline(BoringModel):
 
 def test_skipping_nonfinite_losses_has_a_limit():
     """nonfinite_loss='skip' drops a bad batch, but more than max_consecutive_skips in a row stop the run;
-    a finite loss in between resets the count."""
-    from types import SimpleNamespace
-
-    strategy = BFPPStrategy(pipeline_parallel=1, nonfinite_loss="skip", max_consecutive_skips=2)
-    logged = []
-    strategy._lightning_module = SimpleNamespace(trainer=SimpleNamespace(global_step=7, current_epoch=0),
-                                                 log=lambda name, value, **kw: logged.append((name, value)))
-    nan = torch.tensor(float("nan"))
-    with pytest.warns(UserWarning, match="dropped that batch"):
-        strategy._on_nonfinite_loss(nan, 0)
-        strategy._on_nonfinite_loss(nan, 1)
-    strategy._consecutive_skips = 0  # what a finite step does (training_step)
-    with pytest.warns(UserWarning):
-        strategy._on_nonfinite_loss(nan, 3)
-        strategy._on_nonfinite_loss(nan, 4)
-    with pytest.raises(FloatingPointError, match="3 batches in a row .* max_consecutive_skips=2"):
-        strategy._on_nonfinite_loss(nan, 5)
-    assert logged[-1] == ("skipped_batches", 4.0)
+    a finite loss in between resets the count. "stop" raises at once."""
+    skip = BFPPStrategy(pipeline_parallel=1, nonfinite_loss="skip", max_consecutive_skips=2).nonfinite
+    assert "dropped that batch" in skip.nonfinite("step 1") and "dropped" in skip.nonfinite("step 2")
+    skip.finite()  # what a finite step does (training_step)
+    skip.nonfinite("step 4")
+    skip.nonfinite("step 5")
+    with pytest.raises(FloatingPointError, match="step 6: 3 batches in a row .* max_consecutive_skips=2"):
+        skip.nonfinite("step 6")
+    assert skip.skipped == 5
+    with pytest.raises(FloatingPointError, match="step 1: stopping every rank before the optimizer step"):
+        BFPPStrategy(pipeline_parallel=1).nonfinite.nonfinite("step 1")
     with pytest.raises(ValueError, match="max_consecutive_skips=0"):
         BFPPStrategy(max_consecutive_skips=0)
 

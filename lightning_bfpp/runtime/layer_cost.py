@@ -138,3 +138,24 @@ def stage_sums(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
         sums.append(sum(costs[start : start + c]))
         start += c
     return sums
+
+
+def auto_stage_layers(module: Any, layers: Sequence[nn.Module], num_stages: int, micro_batches: int,
+                      device: torch.device) -> tuple[list[int], list[float], str]:
+    """stage_layers="auto": every rank times each layer; the minimum over ranks (the least disturbed sample,
+    identical everywhere) decides the cut. Returns (layers per stage, seconds per stage, a line to log)."""
+    import torch.distributed as dist
+
+    inputs, target = sample_micro_batch(module, module.trainer, micro_batches)
+    measured = measure_layer_times(module, layers, inputs, target, module.pipeline_loss, device, repeats=5)
+    times_t = torch.tensor(measured, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(times_t, op=dist.ReduceOp.MIN)
+    times = times_t.tolist()
+    counts = time_balanced_layout(times, num_stages)
+    stage_times = stage_sums(times, counts)
+    by_params = balanced_layout([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+    line = (f"bfpp: stage_layers='auto' cut {counts} (by parameter count: {by_params}); forward+backward per stage "
+            f"on one micro-batch: {', '.join(f'{t * 1e3:.1f}' for t in stage_times)} ms, by parameter count "
+            f"the slowest would be {max(stage_sums(times, by_params)) * 1e3:.1f} ms.")
+    return counts, stage_times, line

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..schedule import Schedule, build_schedule
+from ..schedule.dims import Names, micro_batch_size
 from ..layer_io import BOUNDARY_RULE
 from ..partition import input_kwargs
 from .grad_sync import BucketedAllReduce
@@ -84,16 +85,8 @@ class PipelineRunner:
             self._runtimes[key] = (runtime, stages)
         return self._runtimes[key][0]
 
-    def _check_batch(self, inputs: Any) -> None:
-        n, m = _batch_size(inputs), self.spec.micro_batches
-        if n % m:
-            raise ValueError(
-                f"batch of {n} samples per data-parallel replica cannot be split into micro_batches={m}: "
-                "make the batch size a multiple of micro_batches (use drop_last=True for a ragged last batch)."
-            )
-
     def _run(self, mode: str, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[Any, list[torch.Tensor]]:
-        self._check_batch(inputs)
+        micro_batch_size(_batch_size(inputs), self.spec.micro_batches, Names(replica_batch="batch"))
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []

@@ -1,0 +1,151 @@
+# Scope: the parallel layout of a run — how the world's processes split into pipeline x data x tensor parallel,
+# how the model's layers fill the stages and a step's batch the micro-batches — and its one `validate()`. The
+# strategy, the app's preflight and the planner all check a layout here; each names the settings in its
+# users' words (`Names`). Pure Python, like the rest of the schedule package.
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .actions import ScheduleError, ScheduleSpec
+from .generate import check_spec
+
+SHARDING = ("full", "none")  # full: FSDP2 over data parallel; none: replicated weights, gradients all-reduced
+
+
+class LayoutError(ScheduleError):
+    """The layout does not fit the world, the model or the batch (the message names the setting and a fix)."""
+
+
+@dataclass(frozen=True)
+class Names:
+    """How a caller's users spell each setting in error messages (default: BFPPStrategy's arguments)."""
+
+    pipeline_parallel: str = "pipeline_parallel"
+    tensor_parallel: str = "tensor_parallel"
+    loops: str = "loops"
+    micro_batches: str = "micro_batches"
+    sharding: str = "sharding"
+    world: str = "devices x num_nodes"
+    devices: str = "devices"  # processes per node
+    batch: str = "the global batch"
+    replica_batch: str = "the per-replica batch"  # samples one data-parallel replica loads per step
+    layers: str = "pipeline_layers()"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """world = pipeline_parallel x data_parallel x tensor_parallel (tp innermost, within one node of
+    `devices_per_node` processes); `spec` holds the schedule knobs (pp, loops, micro-batches, groups)."""
+
+    world: int
+    spec: ScheduleSpec = field(default_factory=ScheduleSpec)
+    tensor_parallel: int = 1
+    devices_per_node: int | None = None  # None: one node holds the world
+    sharding: str = "full"
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self.spec.pipeline_parallel
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world // (self.spec.pipeline_parallel * self.tensor_parallel)
+
+    @property
+    def num_stages(self) -> int:
+        return self.spec.num_stages
+
+    @property
+    def sharded(self) -> bool:
+        """Whether stages are FSDP-sharded (sharding="full" over more than one data-parallel rank)."""
+        return self.sharding == "full" and self.data_parallel > 1
+
+    def validate(self, *, num_layers: int | None = None, global_batch: int | None = None,
+                 names: Names = Names()) -> ParallelDims:
+        """Raise ScheduleError / LayoutError naming the setting (in `names`' words) and a fix for the first rule
+        broken; `num_layers` and `global_batch` are checked when known. Returns self."""
+        check_spec(self.spec)
+        self._check_options(names)
+        self._check_world(names)
+        if num_layers is not None:
+            self._check_layers(num_layers, names)
+        if global_batch is not None:
+            self.replica_batch(global_batch, names)
+        return self
+
+    def _check_options(self, n: Names) -> None:
+        tp = self.tensor_parallel
+        if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+            raise LayoutError(f"{n.tensor_parallel}={tp!r} must be a positive integer (1: no tensor parallel; 2, 4, "
+                              "8: processes of one node splitting every layer).")
+        if self.sharding not in SHARDING:
+            raise LayoutError(f"{n.sharding}={self.sharding!r} is unknown; choose one of {', '.join(SHARDING)} (full: "
+                              "FSDP over data parallel; none: replicated weights, gradients all-reduced).")
+
+    def _check_world(self, n: Names) -> None:
+        world, pp, tp = self.world, self.spec.pipeline_parallel, self.tensor_parallel
+        if world % pp:
+            raise LayoutError(
+                f"{n.pipeline_parallel}={pp} must divide the world size {world} ({n.world}); use "
+                f"{n.pipeline_parallel} in {divisors(world)}, or {n.world} a multiple of {pp}.")
+        node = self.devices_per_node or world
+        if tp == 1:
+            return
+        if node % tp:
+            raise LayoutError(
+                f"{n.tensor_parallel}={tp} must divide the processes per node {n.devices}={node}: a tensor-parallel "
+                f"group all-reduces inside every layer, so it stays within one node; use {n.tensor_parallel} in "
+                f"{divisors(node)}.")
+        if world % (pp * tp):
+            fits = [t for t in divisors(node) if world % (pp * t) == 0]
+            raise LayoutError(
+                f"{n.pipeline_parallel} x {n.tensor_parallel} = {pp} x {tp} must divide the world size {world} "
+                f"({n.world}; data parallel = world / (pipeline x tensor parallel)); use {n.tensor_parallel} in {fits}, "
+                f"or another {n.pipeline_parallel}.")
+
+    def _check_layers(self, num_layers: int, n: Names) -> None:
+        pp, loops = self.spec.pipeline_parallel, self.spec.loops
+        if self.num_stages > num_layers:
+            fix = f"{n.loops}={num_layers // pp}" if num_layers >= pp else f"{n.pipeline_parallel}<={num_layers}"
+            raise LayoutError(
+                f"{pp} x {loops} = {self.num_stages} stages ({n.pipeline_parallel} x {n.loops}) need at least as many "
+                f"layers, but {n.layers} gives {num_layers}; use {fix}.")
+
+    def replica_batch(self, global_batch: int, names: Names = Names()) -> int:
+        """Samples each data-parallel replica loads per step (checked to split into the micro-batches)."""
+        dp, m = self.data_parallel, self.spec.micro_batches
+        unit = dp * m
+        if global_batch % unit:
+            sizes = " or ".join(str(b) for b in sorted({max(unit, global_batch // unit * unit),
+                                                          (global_batch // unit + 1) * unit}))
+            split = f", in {m} micro-batches); use {names.batch}={sizes}, or change {names.micro_batches}." if m > 1 \
+                else f"); use {names.batch}={sizes}."
+            raise LayoutError(
+                f"{names.batch}={global_batch} (global, per optimizer step) must be divisible by data_parallel x "
+                f"{names.micro_batches} = {dp} x {m} = {unit} (each data-parallel replica loads {names.batch} / {dp}"
+                f"{split}")
+        return global_batch // dp
+
+    def micro_batch_size(self, replica_batch: int, names: Names = Names()) -> int:
+        return micro_batch_size(replica_batch, self.spec.micro_batches, names)
+
+
+def micro_batch_size(replica_batch: int, micro_batches: int, names: Names = Names()) -> int:
+    """Samples per micro-batch of a replica's batch of `replica_batch` samples (checked to split evenly)."""
+    if replica_batch % micro_batches:
+        raise LayoutError(
+            f"{names.replica_batch}={replica_batch} (per data-parallel replica) is not a multiple of "
+            f"{names.micro_batches}={micro_batches}; change one of them (a loader's ragged last batch: drop_last=True).")
+    return replica_batch // micro_batches
+
+
+def default_pipeline_parallel(world: int, tensor_parallel: int = 1, loops: int = 1,
+                              num_layers: int | None = None) -> int:
+    """Every process a pipeline rank: the largest divisor of world / tensor_parallel that leaves every one of the
+    pp x loops stages a layer (`num_layers`, once the model is known)."""
+    ranks = max(world // tensor_parallel, 1)
+    return max(pp for pp in divisors(ranks) if num_layers is None or pp * loops <= num_layers or pp == 1)

@@ -13,9 +13,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-log = logging.getLogger(__name__)
+from .runtime.instrument import MEMORY_KEYS
 
-MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+log = logging.getLogger(__name__)
 
 
 def _per_rank(memory: Any) -> list[dict]:

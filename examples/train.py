@@ -106,7 +106,22 @@ def build_strategy(cfg: DictConfig):
     s = OmegaConf.to_container(cfg.schedule, resolve=True)
     # model.activation_checkpointing: applied by the strategy to every layer of every local stage (see model_config)
     ac = bool(cfg.model.get("activation_checkpointing", False))
-    return BFPPStrategy(schedule=s.pop("name"), activation_checkpointing=ac, **s)
+    s["schedule"] = s.pop("name")
+    if s.get("layout") == "auto":
+        # schedule.layout=auto: the knobs typed on the command line (schedule=1f1b, schedule.loops=2) are pinned, the
+        # others are the planner's; every layout trains data.batch_size samples per step (the data module loads
+        # data.batch_size / data_parallel per replica); the layers are timed on block_size-token micro-batches
+        from lightning_bfpp.auto_layout import KNOBS, AutoLayout
+        import torch
+
+        typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+        keys = {o.lstrip("+~").split("=", 1)[0] for o in typed}
+        pinned = {k for k in KNOBS if f"schedule.{k}" in keys} | ({"schedule"} if keys & {"schedule", "schedule.name"} else set())
+        s.update({k: None for k in KNOBS if k not in pinned})
+        rows = max(1, int(cfg.data.batch_size) // (2 * int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)))
+        s.update(layout=AutoLayout(sample=torch.zeros(rows, int(cfg.model.block_size), dtype=torch.long)),
+                 global_batch_size=int(cfg.data.batch_size))
+    return BFPPStrategy(activation_checkpointing=ac, **s)
 
 
 class WandbRunId(Callback):

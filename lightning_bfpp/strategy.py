@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from . import checkpoint as ckpt
+from .auto_layout import KNOBS, AutoLayout, decide, sample_inputs
 from .handover import GradHandover
 from .hooks import check_module, describe_contract
 from .job import JobGuard
@@ -32,7 +33,7 @@ from .resume import skip_consumed_batches
 from .runtime.layer_cost import auto_stage_layers
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, build_schedule
-from .schedule.dims import Names, ParallelDims, default_pipeline_parallel
+from .schedule.dims import LayoutError, Names, ParallelDims, default_pipeline_parallel
 from .stages import cut, parallelize
 from .tensor_parallel import grads_like_params, layer_plans
 from .user_steps import run_on_last_stage, user_step
@@ -42,16 +43,24 @@ class BFPPStrategy(ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
 
     Args:
+        layout: "auto" (or ``AutoLayout(...)``): pipeline_parallel, loops, micro_batches, groups, schedule, sharding,
+            reshard_after_forward and the stage cut are picked by the planner (``lightning_bfpp.auto_layout``) from
+            this model's layers measured on this device, for this world and ``global_batch_size``; the pick and the
+            runner-up are printed with predicted step time and memory. Any of those knobs set here is pinned.
+            Default (None): the knobs as given, with the defaults below.
+        global_batch_size: samples per optimizer step over all data-parallel replicas; required by layout="auto" (a
+            loader's batch is per replica, so it would change with data_parallel). The training loader's batch must
+            be ``replica_batch_size`` (global_batch_size / data_parallel), which is checked.
         pipeline_parallel: pipeline ranks (pp); data parallel = world_size / (pp x tensor_parallel). Default (None):
             world_size / tensor_parallel (fewer when the model has fewer layers), printed at start.
         tensor_parallel: processes splitting every layer (tp, innermost, within one node) by the model's
             ``pipeline_tp_plan`` (see ``lightning_bfpp.tensor_parallel``); must divide the devices per node.
-        loops: stages per pipeline rank; stage s lives on pipeline rank s % pp.
+        loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe" or "1f1b".
-        groups: breadth_first only: sequential accumulation groups of micro-batches.
-        sharding: "full" (FSDP2 over data parallel) or "none" (replicated, gradients all-reduced).
-        reshard_after_forward: free each stage's gathered weights between its forward and backward.
+        groups: breadth_first only: sequential accumulation groups of micro-batches (default 1).
+        sharding: "full" (FSDP2 over data parallel; default) or "none" (replicated, gradients all-reduced).
+        reshard_after_forward: free each stage's gathered weights between its forward and backward (default False).
         stage_layers: explicit layer count per stage; "auto": balanced by time (every rank times every layer's
             forward+backward on one micro-batch of the training data at setup; all cut by the minimum over ranks;
             logged, and kept as ``stage_times_s``); default (None): balanced by parameter count.
@@ -82,12 +91,12 @@ class BFPPStrategy(ModelParallelStrategy):
         self,
         pipeline_parallel: int | None = None,
         tensor_parallel: int = 1,
-        loops: int = 1,
+        loops: int | None = None,
         micro_batches: int | None = None,
-        schedule: str = "breadth_first",
-        groups: int = 1,
-        sharding: Literal["full", "none"] = "full",
-        reshard_after_forward: bool = False,
+        schedule: str | None = None,
+        groups: int | None = None,
+        sharding: Literal["full", "none"] | None = None,
+        reshard_after_forward: bool | None = None,
         stage_layers: Sequence[int] | Literal["auto"] | None = None,
         activation_checkpointing: bool = False,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
@@ -96,6 +105,8 @@ class BFPPStrategy(ModelParallelStrategy):
         timeout: timedelta | float | None = default_pg_timeout,
         trust_checkpoints: bool = False,
         measure_every_n_steps: int | None = None,
+        layout: Literal["auto"] | AutoLayout | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             if timeout <= 0:
@@ -105,13 +116,26 @@ class BFPPStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self.measure_every_n_steps = check_every_n_steps(measure_every_n_steps)
         self.nonfinite = NonfiniteLoss(nonfinite_loss, max_consecutive_skips)
-        self._default_layout = pipeline_parallel is None  # pp = world size, decided once the world is known
+        given = dict(pipeline_parallel=pipeline_parallel, loops=loops, micro_batches=micro_batches, groups=groups,
+                     schedule=schedule, sharding=sharding, reshard_after_forward=reshard_after_forward)
+        self.auto_layout = AutoLayout() if layout == "auto" else layout  # decided in setup_environment
+        if self.auto_layout is not None and not isinstance(self.auto_layout, AutoLayout):
+            raise ValueError(f"layout={layout!r} must be 'auto', an AutoLayout(...) or None (the knobs as given).")
+        self.pinned = {k: given[k] for k in KNOBS if given[k] is not None} if self.auto_layout else {}
+        if self.auto_layout and not (isinstance(global_batch_size, int) and global_batch_size >= 1):
+            raise ValueError(f"layout='auto' needs global_batch_size (samples per optimizer step over all replicas), "
+                             f"got {global_batch_size!r}: every candidate layout trains that same batch, each replica "
+                             "loading global_batch_size / data_parallel (strategy.replica_batch_size).")
+        self.global_batch_size = global_batch_size
+        # pp = world size, decided once the world is known (layout="auto": the planner's, in setup_environment)
+        self._default_layout = pipeline_parallel is None and self.auto_layout is None
         self._requested_micro_batches = micro_batches
         self._contract_announced = False
         pp = 1 if pipeline_parallel is None else pipeline_parallel
-        spec = ScheduleSpec(schedule, pipeline_parallel=pp, loops=loops, groups=groups,
-                            micro_batches=pp if micro_batches is None else micro_batches,
-                            reshard_after_forward=bool(reshard_after_forward))
+        m = micro_batches if micro_batches is not None else 1 if self.auto_layout else pp
+        spec = ScheduleSpec(schedule or "breadth_first", pipeline_parallel=pp, loops=loops or 1, groups=groups or 1,
+                            micro_batches=m, reshard_after_forward=bool(reshard_after_forward))
+        sharding = sharding or "full"
         # Bad settings fail here, before any process starts: the layout's rules (``schedule.dims``) with the world
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
@@ -121,8 +145,8 @@ class BFPPStrategy(ModelParallelStrategy):
         self.activation_checkpointing = bool(activation_checkpointing)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
         # one positive count per stage now; that they add up to the model's layers is checked by check_model
-        self.stage_layers = "auto" if stage_layers == "auto" else \
-            check_layout(stage_layers, None, spec.num_stages) if stage_layers else None
+        self.stage_layers = "auto" if stage_layers == "auto" else check_layout(
+            stage_layers, None, len(stage_layers) if self.auto_layout else spec.num_stages) if stage_layers else None
         self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
@@ -161,6 +185,11 @@ class BFPPStrategy(ModelParallelStrategy):
     @property
     def micro_batches(self) -> int:
         return self.spec.micro_batches
+
+    @property
+    def replica_batch_size(self) -> int | None:
+        """Samples each data-parallel replica's training loader yields per step (global_batch_size / data_parallel)."""
+        return None if self.global_batch_size is None else self.dims.replica_batch(self.global_batch_size)
 
     @property
     def schedule(self) -> Schedule:
@@ -203,11 +232,36 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
+        if self.auto_layout is not None and not self._decided:
+            self._decide_layout()  # before the mesh, the datamodule's setup and the samplers depend on it
         self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.launcher)
         self._device_mesh = build_mesh(self.root_device.type, self.pipeline_parallel, self.world_size,
                                        process_group_timeout(self), self.tensor_parallel)
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
+
+    _decided = False
+
+    def _decide_layout(self) -> None:
+        """layout="auto" on every rank at once, the process group up: each rank measures the layers, the numbers are
+        min-reduced and rank 0's pick is broadcast (``auto_layout.decide``), so every rank builds the same mesh."""
+        module = self.lightning_module
+        if self.tensor_parallel > 1:
+            raise ValueError("layout='auto' searches tensor_parallel=1 only; set the layout by hand for tensor_parallel"
+                             f"={self.tensor_parallel}.")
+        layers = list(module.pipeline_layers())
+        inputs, target = sample_inputs(module, self.auto_layout.sample)
+        explicit = isinstance(self.stage_layers, list)
+        spec, sharding, cut, line = decide(
+            module, layers, inputs, target, self.root_device, world=self.world_size, devices_per_node=self.num_processes,
+            global_batch=self.global_batch_size, pinned=self.pinned, settings=self.auto_layout,
+            stage_count=len(self.stage_layers) if explicit else None)
+        self.dims = dataclasses.replace(self.dims, spec=spec, sharding=sharding)
+        self._train_schedule = build_schedule(spec)
+        self.stage_layers = self.stage_layers if explicit else cut  # "auto"/None: cut by the measured times
+        self._decided = True
+        self._set_world(self.world_size, len(layers))
+        rank_zero_info(line)
 
     def _check_before_launch(self, ckpt_path: str | None = None) -> None:
         if self.lightning_module is not None and self.runner is None:  # once built, the model is already cut
@@ -279,7 +333,8 @@ class BFPPStrategy(ModelParallelStrategy):
         if not self._contract_announced:
             self._contract_announced = True
             rank_zero_info(describe_contract(module))
-        stages = plan_stages(module, layers, self.spec.num_stages, None if self.stage_layers == "auto" else self.stage_layers)
+        undecided = self.stage_layers == "auto" or (self.auto_layout is not None and not self._decided)
+        stages = plan_stages(module, layers, self.spec.num_stages, None if undecided else self.stage_layers)
         if self.tensor_parallel > 1:
             layer_plans(module, layers, self.tensor_parallel)  # the model's tensor-parallel plan, checked
         return stages
@@ -349,6 +404,13 @@ class BFPPStrategy(ModelParallelStrategy):
         if isinstance(batch_size, int):
             self.dims.micro_batch_size(batch_size, Names(replica_batch="the dataloader's batch_size"))
         trainer = self.lightning_module.trainer
+        if isinstance(batch_size, int) and trainer.training and self.global_batch_size:
+            if batch_size != self.replica_batch_size:
+                raise LayoutError(
+                    f"the training dataloader's batch_size={batch_size} (per data-parallel replica) x data_parallel="
+                    f"{self.data_parallel} is not global_batch_size={self.global_batch_size}: build the loader with "
+                    f"batch_size=trainer.strategy.replica_batch_size ({self.replica_batch_size}), e.g. in a datamodule's "
+                    "setup/train_dataloader, so the optimizer sees the same batch whatever the layout.")
         if trainer.training and trainer.fit_loop.restarting:
             return skip_consumed_batches(dataloader, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         return dataloader

@@ -38,5 +38,5 @@ def test_hf_configs_follow_the_layer_rule():
             ok = compose("train", overrides=[f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=3"])
             bad = compose("train", overrides=[f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=4"])
         check_config(ok)  # 6 stages, 6 layers
-        with pytest.raises(ConfigError, match="model.n_layer=4 makes 6"):
+        with pytest.raises(ConfigError, match=r"8 stages .* model.n_layer=4 \(embedding, 4 blocks, head\) gives 6"):
             check_config(bad)

@@ -181,7 +181,7 @@ def check_layout(cfg: DictConfig) -> int | None:
 
 
 def corpus_windows(max_bytes: int, val_fraction: float, block_size: int, stride: int | None) -> tuple[int, int, int, int]:
-    """(training bytes, training windows, validation bytes, validation windows) of lightning_bfpp.data's split
+    """(training bytes, training windows, validation bytes, validation windows) of examples/data.py's split
     of a `max_bytes` corpus (the stdlib holds ~30 MB, so the corpus is max_bytes long below that)."""
     cut = int(max_bytes * (1.0 - val_fraction))
     train, val = cut, max_bytes - cut

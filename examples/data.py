@@ -10,6 +10,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_bfpp.schedule import ScheduleSpec
+from lightning_bfpp.schedule.dims import Names, ParallelDims
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
@@ -59,14 +62,10 @@ class ByteWindows(Dataset):
 
 
 def replica_batch_size(batch_size: int, data_parallel: int, micro_batches: int = 1) -> int:
-    """The per-process DataLoader batch for a GLOBAL `batch_size` (checked to split evenly)."""
-    if batch_size % (data_parallel * micro_batches):
-        raise ValueError(
-            f"data.batch_size={batch_size} (global, per optimizer step) must be divisible by "
-            f"data_parallel * micro_batches = {data_parallel} * {micro_batches} = {data_parallel * micro_batches}; "
-            f"try data.batch_size={max(1, batch_size // (data_parallel * micro_batches)) * data_parallel * micro_batches}."
-        )
-    return batch_size // data_parallel
+    """The per-process DataLoader batch for a GLOBAL `batch_size`, checked by the layout's own rule to split
+    over the data-parallel replicas and their micro-batches."""
+    dims = ParallelDims(world=data_parallel, spec=ScheduleSpec(micro_batches=micro_batches))
+    return dims.replica_batch(batch_size, Names(batch="data.batch_size", micro_batches="schedule.micro_batches"))
 
 
 class CorpusDataModule(L.LightningDataModule):

@@ -23,7 +23,6 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `gpt` next to this file, also under `python -m`
 import run_dir as rundir  # noqa: E402
 from config_checks import check_config  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402

@@ -20,7 +20,6 @@ from hydra import compose, initialize_config_dir
 
 from launch import ROOT, clean_env
 
-sys.path.insert(0, str(ROOT / "examples"))
 from config_checks import ConfigError, check_config  # noqa: E402
 
 TRAIN = ROOT / "examples" / "train.py"

@@ -14,7 +14,6 @@ import torch
 
 from launch import ROOT, clean_env, free_port
 
-sys.path.insert(0, str(ROOT / "examples"))
 import run_tp  # noqa: E402
 from gpt import GPT  # noqa: E402
 

@@ -70,6 +70,20 @@ def tables(s: dict) -> str:
         for cls, r in t["schedules"].items():
             out.append(f"| {cls} | {r['bfpp_schedule']} | {r['loops']} | {fmt(r['torch_period_s'])} s | "
                        f"{fmt(r['bfpp_period_s'])} s | {fmt(r['ratio'])} |")
+    if "auto" in d:
+        a = d["auto"]
+        st = a["setting"]
+        out.append(f"\n**layout=\"auto\" vs hand-set layouts** ({st['model']}, global batch {st['batch']}, "
+                   f"{st['processes']} processes, {st['grid_size']} layouts{' (quick subset)' if st['quick'] else ''}, "
+                   f"{st['rounds']} rounds; samples/s, median (min–max))\n")
+        out.append(f"auto ÷ best hand-set layout ({a['best_hand_layout']}): **{fmt(a['ratio'])}**; auto ÷ the fastest "
+                   f"layout of each round: {fmt(a['ratio_vs_round_max'])}; start-up (fit to first batch) auto "
+                   f"{fmt(a['startup_s']['auto'], 2)} s, hand-set {fmt(a['startup_s']['hand'], 2)} s\n")
+        picks = sorted({json.dumps(p, sort_keys=True) for p in a["auto_picks"]})
+        out.append("auto's picks: " + "; ".join(f"`{p}`" for p in picks) + "\n")
+        out.append("| layout | samples/s |\n|---|---|")
+        for name, v in a["samples_per_s"].items():
+            out.append(f"| {name} | {fmt(v, 2)} |")
     if "p5" in d:
         p5 = d["p5"]
         out.append(f"\n**P5 memory** (pp=2 × dp=2, sharding=full, {p5['model_params']:,} parameters; "

@@ -6,6 +6,7 @@ torch's own schedule classes, write benchmarks/results/summary.json and benchmar
     python benchmarks/run_all.py --only p1,p2    # a subset (merged into an existing summary.json)
     python benchmarks/run_all.py --only torch    # bfpp vs ScheduleLoopedBFS/Interleaved1F1B/GPipe/1F1B alone
     python benchmarks/run_all.py --only p2,p4 --compare-auto   # + stage_layers="auto" beside the parameter cut
+    python benchmarks/run_all.py --only auto --auto-grid full  # layout="auto" vs all 48 hand-set layouts (~40 min)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import auto_layout  # noqa: E402
 import p1_overhead  # noqa: E402
 import p2_bubble  # noqa: E402
 import p4_scaling  # noqa: E402
@@ -28,13 +30,17 @@ from common import ROOT  # noqa: E402
 from plot import plot  # noqa: E402
 
 GOALS = {"p1_overhead_ratio": ("<=", 1.05), "p2_bubble_abs_error": ("<=", 0.05), "p4_speedup": (">=", 1.6),
-         "p5_memory_ratio_error": ("<=", 0.05)}
+         "p5_memory_ratio_error": ("<=", 0.05), "auto_layout_ratio": (">=", 0.95)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(GOALS_KEYS),
-                    help="comma list of p1 (with the FSDP row), p2, p4, p5, torch (bfpp vs torch's schedule classes)")
+                    help="comma list of p1 (with the FSDP row), p2, p4, p5, torch (bfpp vs torch's schedule classes), "
+                         "auto (layout='auto' vs hand-set layouts)")
+    ap.add_argument("--auto-grid", choices=("quick", "full"), default="quick",
+                    help="auto: the 12-layout subset (default; ~1.5 min per round) or the issue's 48-layout grid "
+                         "(pp 1-2, loops 1/2/4, m 2/4/8, every legal schedule; ~8 min per round)")
     ap.add_argument("--compare-auto", action="store_true",
                     help='P2 and P4 also run stage_layers="auto" (cut by measured time) beside the parameter cut')
     ap.add_argument("--quick", action="store_true", help="gpt_tiny and 2 rounds: checks the machinery only")
@@ -108,8 +114,15 @@ def main() -> None:
         details["torch"] = torch_schedules.run(work / "torch", **size, **timed)
         summary["torch_schedule_ratio"] = {cls: r["ratio"]["median"] for cls, r in details["torch"]["schedules"].items()}
 
+    def auto_part() -> None:
+        full = args.auto_grid == "full"
+        details["auto"] = auto_layout.run(work / "auto", **size, rounds=args.rounds, steps=8 if full else 5, warmup=2,
+                                          quick=not full)
+        summary["auto_layout_ratio"] = details["auto"]["ratio"]["median"]
+
     step("p5", "P5 memory with FSDP (pp=2 x dp=2, 4 processes)", p5)
     step("torch", "bfpp vs torch.distributed.pipelining's schedule classes, same stages (2 processes)", torch_part)
+    step("auto", "layout='auto' vs the best hand-set layout (2 processes)", auto_part)
     summary["goals"] = {k: {"goal": f"{op} {v}", "value": summary.get(k),
                             "met": None if summary.get(k) is None else (summary[k] <= v if op == "<=" else summary[k] >= v)}
                         for k, (op, v) in GOALS.items()}
@@ -127,7 +140,7 @@ def main() -> None:
         sys.exit(f"benchmarks failed: {sorted(errors)}")
 
 
-GOALS_KEYS = ("p1", "p2", "p4", "p5", "torch")
+GOALS_KEYS = ("p1", "p2", "p4", "p5", "torch", "auto")
 
 if __name__ == "__main__":
     main()

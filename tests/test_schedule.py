@@ -155,6 +155,27 @@ def test_validator_catches_misordered_receives_deadlocks_and_missing_gathers():
         validate(no_reduce)
 
 
+def _edit(sched: Schedule, rank: int, edit) -> Schedule:
+    return Schedule(sched.spec, {**sched.actions, rank: edit(list(sched.actions[rank]))})
+
+
+def test_validator_names_each_broken_rule():
+    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2))
+    acts = sched.actions[0]
+    f00, send = acts.index(Action(0, Op.FORWARD, 0)), acts.index(Action(0, Op.SEND_F, 0))
+    reduce = acts.index(Action(2, Op.REDUCE_GRAD))
+    cases = {
+        "runs 0F0 twice": lambda a: a[: f00 + 1] + [a[f00]] + a[f00 + 1:],
+        "sends 0SEND_F0 before computing it": lambda a: a[:f00] + [a[send]] + [x for x in a[f00:] if x != a[send]],
+        "reduces gradients of stage 2 after": lambda a: [a[reduce]] + a[:reduce] + a[reduce + 1:],
+        "unshards stage 0 twice": lambda a: [Action(0, Op.UNSHARD)] + a,
+        "stage 1 lives on rank 1": lambda a: [Action(1, Op.FORWARD, 0)] + a,
+    }
+    for message, edit in cases.items():
+        with pytest.raises(ScheduleError, match=message):
+            validate(_edit(sched, 0, edit))
+
+
 def test_lowered_lists_pair_every_send_with_a_receive():
     spec = ScheduleSpec("depth_first", pipeline_parallel=4, loops=2, micro_batches=8)
     acts = lower(spec, compute_order(spec))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .actions import Action, Op, Schedule, ScheduleError
+from .actions import Action, Op, Schedule, ScheduleError, ScheduleSpec
 
 _RECV_OF_SEND = {Op.SEND_F: (Op.RECV_F, +1), Op.SEND_B: (Op.RECV_B, -1)}
 
@@ -28,21 +28,73 @@ def validate(schedule: Schedule) -> list[tuple[int, Action]]:
     Returns one feasible global execution order as (rank, action) pairs.
     """
     spec = schedule.spec
-    pp, n_stages, m = spec.pipeline_parallel, spec.num_stages, spec.micro_batches
-    if sorted(schedule.actions) != list(range(pp)):
-        raise ScheduleError(f"schedule has ranks {sorted(schedule.actions)}, expected 0..{pp - 1}")
-    ranks = [_Rank(r, schedule.actions[r]) for r in range(pp)]
+    if sorted(schedule.actions) != list(range(spec.pipeline_parallel)):
+        raise ScheduleError(f"schedule has ranks {sorted(schedule.actions)}, expected 0..{spec.pipeline_parallel - 1}")
+    ranks = [_Rank(r, schedule.actions[r]) for r in range(spec.pipeline_parallel)]
     for r in ranks:
         for a in r.actions:
             if spec.stage_rank(a.stage) != r.rank:
                 raise ScheduleError(f"rank {r.rank} runs {a}, but stage {a.stage} lives on rank {spec.stage_rank(a.stage)}")
-    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)  # channel -> receive actions the sends pair with
-    recvd: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    arrived: set[Action] = set()  # receives whose data has been sent
-    trace: list[tuple[int, Action]] = []
+    run = _Run(spec)
+    run.until_done(ranks)
+    _check_complete(schedule, ranks, run.sent, run.recvd)
+    return run.trace
 
-    def input_ready(r: _Rank, a: Action) -> str | None:
-        s, mb = a.stage, a.micro_batch
+
+class _Run:
+    """Every rank's actions stepped in turn, each as far as its inputs allow (sends never block)."""
+
+    def __init__(self, spec: ScheduleSpec) -> None:
+        self.spec = spec
+        self.sent: dict[tuple[int, int], list[Action]] = defaultdict(list)  # channel -> receives the sends pair with
+        self.recvd: dict[tuple[int, int], list[Action]] = defaultdict(list)
+        self.arrived: set[Action] = set()  # receives whose data has been sent
+        self.trace: list[tuple[int, Action]] = []
+
+    def until_done(self, ranks: list[_Rank]) -> None:
+        while not all(r.finished for r in ranks):
+            progressed, waits = False, {}
+            for r in ranks:
+                while not r.finished:
+                    why = self.step(r)
+                    if why:
+                        waits[r.rank] = f"{r.actions[r.pc]} waits for {why}"
+                        break
+                    progressed = True
+            if not progressed:
+                detail = "; ".join(f"rank {k}: {v}" for k, v in sorted(waits.items()))
+                raise ScheduleError(f"schedule {self.spec.name} deadlocks: {detail}")
+
+    def step(self, r: _Rank) -> str | None:
+        """Run r's next action if it can; return why not otherwise."""
+        a = r.actions[r.pc]
+        if a.is_compute:
+            waiting = self._compute(r, a)
+            if waiting:
+                return waiting
+        elif a.op in _RECV_OF_SEND:
+            self._send(r, a)
+        elif a.op in (Op.RECV_F, Op.RECV_B):
+            self._post_receive(r, a)
+        else:
+            self._fsdp(r, a)
+        r.done.add((a.stage, a.op, a.micro_batch))
+        self.trace.append((r.rank, a))
+        r.pc += 1
+        return None
+
+    def _compute(self, r: _Rank, a: Action) -> str | None:
+        if (a.stage, a.op, a.micro_batch) in r.done:
+            raise ScheduleError(f"rank {r.rank} runs {a} twice")
+        if a.stage not in r.gathered:
+            raise ScheduleError(f"rank {r.rank} computes {a} on stage {a.stage} without gathered weights (UNSHARD)")
+        waiting = self._input_ready(r, a)
+        if not waiting and a.op == Op.BACKWARD:
+            r.backwards[a.stage] += 1
+        return waiting
+
+    def _input_ready(self, r: _Rank, a: Action) -> str | None:
+        spec, s, mb = self.spec, a.stage, a.micro_batch
         if a.op == Op.FORWARD:
             if s == 0:
                 return None
@@ -52,47 +104,36 @@ def validate(schedule: Schedule) -> list[tuple[int, Action]]:
         else:
             if (s, Op.FORWARD, mb) not in r.done:
                 return f"its own forward {s}F{mb}"
-            if s == n_stages - 1:
+            if s == spec.num_stages - 1:
                 return None
             if spec.stage_rank(s + 1) == r.rank:
                 return None if (s + 1, Op.BACKWARD, mb) in r.done else f"stage {s + 1} backward of micro-batch {mb}"
             recv = Action(s, Op.RECV_B, mb)
         if recv not in r.posted:
             return f"receive {recv} (never posted before use)"
-        return None if recv in arrived else f"data for {recv}"
+        return None if recv in self.arrived else f"data for {recv}"
 
-    def step(r: _Rank) -> str | None:
-        """Run r's next action if it can; return why not otherwise."""
-        a = r.actions[r.pc]
-        key = (a.stage, a.op, a.micro_batch)
-        if a.is_compute:
-            if key in r.done:
-                raise ScheduleError(f"rank {r.rank} runs {a} twice")
-            if a.stage not in r.gathered:
-                raise ScheduleError(f"rank {r.rank} computes {a} on stage {a.stage} without gathered weights (UNSHARD)")
-            waiting = input_ready(r, a)
-            if waiting:
-                return waiting
-            if a.op == Op.BACKWARD:
-                r.backwards[a.stage] += 1
-        elif a.op in _RECV_OF_SEND:
-            if (a.stage, Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, a.micro_batch) not in r.done:
-                raise ScheduleError(f"rank {r.rank} sends {a} before computing it")
-            recv_op, delta = _RECV_OF_SEND[a.op]
-            recv = Action(a.stage + delta, recv_op, a.micro_batch)
-            ch = (r.rank, spec.stage_rank(recv.stage))
-            sent[ch].append(recv)
-            _check_pairing(ch, sent, recvd)
-            arrived.add(recv)
-        elif a.op in (Op.RECV_F, Op.RECV_B):
-            if a in r.posted:
-                raise ScheduleError(f"rank {r.rank} posts {a} twice")
-            peer = a.stage - 1 if a.op == Op.RECV_F else a.stage + 1
-            ch = (spec.stage_rank(peer), r.rank)
-            recvd[ch].append(a)
-            _check_pairing(ch, sent, recvd)
-            r.posted.add(a)
-        elif a.op == Op.UNSHARD:
+    def _send(self, r: _Rank, a: Action) -> None:
+        if (a.stage, Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, a.micro_batch) not in r.done:
+            raise ScheduleError(f"rank {r.rank} sends {a} before computing it")
+        recv_op, delta = _RECV_OF_SEND[a.op]
+        recv = Action(a.stage + delta, recv_op, a.micro_batch)
+        ch = (r.rank, self.spec.stage_rank(recv.stage))
+        self.sent[ch].append(recv)
+        _check_pairing(ch, self.sent, self.recvd)
+        self.arrived.add(recv)
+
+    def _post_receive(self, r: _Rank, a: Action) -> None:
+        if a in r.posted:
+            raise ScheduleError(f"rank {r.rank} posts {a} twice")
+        peer = a.stage - 1 if a.op == Op.RECV_F else a.stage + 1
+        ch = (self.spec.stage_rank(peer), r.rank)
+        self.recvd[ch].append(a)
+        _check_pairing(ch, self.sent, self.recvd)
+        r.posted.add(a)
+
+    def _fsdp(self, r: _Rank, a: Action) -> None:
+        if a.op == Op.UNSHARD:
             if a.stage in r.gathered:
                 raise ScheduleError(f"rank {r.rank} unshards stage {a.stage} twice")
             r.gathered.add(a.stage)
@@ -100,28 +141,9 @@ def validate(schedule: Schedule) -> list[tuple[int, Action]]:
             if a.stage not in r.gathered:
                 raise ScheduleError(f"rank {r.rank} reshards stage {a.stage} which is not gathered")
             r.gathered.discard(a.stage)
-        elif a.op == Op.REDUCE_GRAD:
-            if r.backwards[a.stage] != m:
-                raise ScheduleError(f"rank {r.rank} reduces gradients of stage {a.stage} after {r.backwards[a.stage]}/{m} backwards")
-        r.done.add(key)
-        trace.append((r.rank, a))
-        r.pc += 1
-        return None
-
-    while not all(r.finished for r in ranks):
-        progressed, waits = False, {}
-        for r in ranks:
-            while not r.finished:
-                why = step(r)
-                if why:
-                    waits[r.rank] = f"{r.actions[r.pc]} waits for {why}"
-                    break
-                progressed = True
-        if not progressed:
-            detail = "; ".join(f"rank {k}: {v}" for k, v in sorted(waits.items()))
-            raise ScheduleError(f"schedule {spec.name} deadlocks: {detail}")
-    _check_complete(schedule, ranks, sent, recvd)
-    return trace
+        elif a.op == Op.REDUCE_GRAD and r.backwards[a.stage] != self.spec.micro_batches:
+            raise ScheduleError(f"rank {r.rank} reduces gradients of stage {a.stage} after {r.backwards[a.stage]}/"
+                                f"{self.spec.micro_batches} backwards")
 
 
 def _check_pairing(ch, sent, recvd) -> None:

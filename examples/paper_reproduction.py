@@ -21,21 +21,24 @@ from lightning_bfpp.sim.planner import search, simulate_candidate
 
 ROOT = Path(__file__).resolve().parents[1]
 BETAS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # batch size (sequences) per GPU
-# label: (schedules, shardings, waits, (min pp, max pp), tensor-parallel sizes, sequence parallel)
+# label: (schedules, shardings, waits, (min pp, max pp), tensor-parallel sizes, sequence parallel choices).
+# Every method may use tensor parallel with sequence parallel (cost model only for our runtime, which has no
+# sequence parallel yet; Megatron-LM has both), so the comparison is of schedules, not of tp implementations.
+SP = (False, True)
 MODES = {
-    "breadth_first": (["breadth_first"], ["full"], SimOptions(), (2, None), None, False),
-    "depth_first": (["depth_first"], ["full"], SimOptions(), (2, None), None, False),
-    "1f1b": (["1f1b"], ["full"], SimOptions(), (2, None), None, False),
-    "gpipe": (["gpipe"], ["full"], SimOptions(), (2, None), None, False),
+    "breadth_first": (["breadth_first"], ["full"], SimOptions(), (2, None), None, SP),
+    "depth_first": (["depth_first"], ["full"], SimOptions(), (2, None), None, SP),
+    "1f1b": (["1f1b"], ["full"], SimOptions(), (2, None), None, SP),
+    "gpipe": (["gpipe"], ["full"], SimOptions(), (2, None), None, SP),
     # Megatron-LM as it runs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
     # Clusters Using Megatron-LM"; Korthikanti et al. 2022 "Reducing Activation Recomputation"; Megatron-LM's
     # distributed-optimizer docs): tp = 8 inside a node with sequence parallel, pp across nodes, 1F1B or
     # interleaved 1F1B (= depth_first; only when pp > 2, as Megatron requires), distributed optimizer
     # (optimizer state / dp, bf16 weights and fp32 main grads whole), gradient reduce-scatter + parameter
     # all-gather after the last backward, not overlapped; blocking p2p (sim.MEGATRON).
-    "megatron_like": (["1f1b", "depth_first"], ["optimizer"], MEGATRON, (1, None), (8,), True),
-    # the planner's pick: every schedule, pp, tp, sharding (full / none) our runtime can run
-    "planner": (["gpipe", "1f1b", "depth_first", "breadth_first"], ["full", "none"], SimOptions(), (1, None), None, False),
+    "megatron_like": (["1f1b", "depth_first"], ["optimizer"], MEGATRON, (1, None), (8,), (True,)),
+    # the planner's pick: every schedule, pp, tp, sharding (full / none), weight residency
+    "planner": (["gpipe", "1f1b", "depth_first", "breadth_first"], ["full", "none"], SimOptions(), (1, None), None, SP),
 }
 
 
@@ -46,14 +49,14 @@ def load(model: str, cluster: str) -> tuple[Model, Cluster]:
 
 
 def best(model: Model, cluster: Cluster, beta: float, mode: str):
-    schedules, shardings, options, (min_pp, max_pp), tps, sp = MODES[mode]
+    schedules, shardings, options, (min_pp, max_pp), tps, sps = MODES[mode]
     batch = int(beta * cluster.world_size)
     found = []
     for name in schedules:  # interleaved 1F1B only with pp > 2 (Megatron-LM's rule)
         lo = max(min_pp, 3) if mode == "megatron_like" and name == "depth_first" else min_pp
         found += search(model, cluster, batch, options=options, top=1, schedules=[name], shardings=shardings,
-                        min_pipeline_parallel=lo, max_pipeline_parallel=max_pp, max_micro_batches=128,
-                        tensor_parallels=tps, sequence_parallels=(sp,))
+                        min_pipeline_parallel=lo, max_pipeline_parallel=max_pp, tensor_parallels=tps,
+                        sequence_parallels=sps)
     found = [p for p in found if p.fits]
     return max(found, key=lambda p: p.tokens_per_second_per_device) if found else None
 
@@ -84,7 +87,8 @@ def _layout(p) -> str:
     extra = f" g{c.groups}" if c.groups > 1 else ""
     extra += " raf" if c.reshard_after_forward else ""
     extra += f" {c.sharding}" if c.sharding != "full" else ""
-    return f"{c.schedule[:5]} tp{c.tensor_parallel} pp{c.pipeline_parallel} l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}"
+    extra += f" {c.residency}{c.cache or ''}" if c.residency != "step" else ""
+    return f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''} pp{c.pipeline_parallel} l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}"
 
 
 def _ratio(a, b) -> str:
@@ -109,25 +113,30 @@ def tables(results: dict, betas, peak: float, flops_per_token: float) -> str:
     return "\n".join(rows)
 
 
-def figure(results: dict, betas, path: Path, title: str, flops_per_token: float) -> None:
+def figure(panels: list[tuple[dict, str]], betas, path: Path, flops_per_token: float, peak_limit: float) -> None:
+    """Model TFLOP/s per GPU vs sequences per GPU, one panel per cluster size (the paper's Figure layout)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), sharey=True, squeeze=False)
+    axes = axes[0]
     style = {"breadth_first": "o-", "depth_first": "s--", "1f1b": "^-.", "gpipe": "v:", "planner": "k*:",
              "megatron_like": "D-"}
-    for mode in MODES:
-        xs = [b for b in betas if results[(b, mode)] not in (None, "n/a")]
-        ys = [results[(b, mode)].tokens_per_second_per_device * flops_per_token / 1e12 for b in xs]
-        ax.plot(xs, ys, style[mode], label=mode.replace("_", " "))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size per GPU (sequences of 1024 tokens)")
-    ax.set_ylabel("simulated model TFLOP/s per GPU")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, (results, title) in zip(axes, panels):
+        for mode in MODES:
+            xs = [b for b in betas if results[(b, mode)] not in (None, "n/a")]
+            ys = [results[(b, mode)].tokens_per_second_per_device * flops_per_token / 1e12 for b in xs]
+            ax.plot(xs, ys, style[mode], label=mode.replace("_", " "), ms=5)
+        ax.axhline(peak_limit / 1e12, color="grey", lw=0.8, ls="--", label="compute-bound")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(betas), [f"{b:g}" for b in betas])
+        ax.set_xlabel("batch size per GPU (sequences of 1024 tokens)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("simulated model TFLOP/s per GPU")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -151,6 +160,47 @@ def sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
     return _sweep_table(model, "inter-node GB/s", [(bw, replace(cluster, inter_bw=bw * 1e9)) for bw in bandwidths], betas)
 
 
+def fixed_layout_sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
+    """BF ÷ Megatron-like when only the bandwidth changes: each keeps its best layout at the cluster's own
+    bandwidth, or BF runs on Megatron-like's layout (same pp, tp, loops, micro-batches; FSDP instead of the
+    distributed optimizer). Isolates the overlap of data-parallel traffic from the search's adaptation."""
+    rows = ["| batch/GPU | layouts (chosen at %g GB/s): BF / Megatron-like | " % (cluster.inter_bw / 1e9)
+            + " | ".join(f"{bw:g} GB/s" for bw in bandwidths) + " |", "|---" * (len(bandwidths) + 2) + "|"]
+    for beta in betas:
+        bf, mg = best(model, cluster, beta, "breadth_first"), best(model, cluster, beta, "megatron_like")
+        if bf is None or mg is None:
+            continue
+        same = replace(mg.candidate, schedule="breadth_first", sharding="full")
+        for label, cand in ((_layout(bf), bf.candidate), ("BF on Megatron-like's layout", same)):
+            ratios = []
+            for bw in bandwidths:
+                cl = replace(cluster, inter_bw=bw * 1e9)
+                a = simulate_candidate(model, cl, cand)
+                b = simulate_candidate(model, cl, mg.candidate, MEGATRON).tokens_per_second_per_device
+                fits = "" if a.peak_memory <= cl.usable_memory else " (does not fit)"
+                ratios.append(f"{a.tokens_per_second_per_device / b:.2f}{fits}")
+            rows.append(f"| {beta:g} | {label} / {_layout(mg)} | " + " | ".join(ratios) + " |")
+    return "\n".join(rows)
+
+
+def residency_table(model: Model, cluster: Cluster, betas=(0.5, 2)) -> str:
+    """Without tensor parallel (a replica's weights over pp GPUs only) on 64 GPUs: where keeping every local
+    stage gathered stops fitting, and which weight residency each schedule's best layout then uses."""
+    small = replace(cluster, num_nodes=8)
+    rows = ["| batch/GPU | schedule | model TFLOP/s per GPU | layout | residency |", "|---|---|---|---|---|"]
+    for beta in betas:
+        for name in ("breadth_first", "depth_first", "1f1b"):
+            plans = search(model, small, int(beta * small.world_size), top=1, schedules=[name], shardings=["full"],
+                           tensor_parallels=(1,), min_pipeline_parallel=2)
+            if not plans:
+                rows.append(f"| {beta:g} | {name} | — | does not fit | |")
+                continue
+            c = plans[0].candidate
+            rows.append(f"| {beta:g} | {name} | {plans[0].tokens_per_second_per_device * model.flops_per_token() / 1e12:.1f} | "
+                        f"{_layout(plans[0])} | {c.residency}{c.cache or ''} |")
+    return "\n".join(rows)
+
+
 def gantt(model: Model, cluster: Cluster, plan, path: Path) -> None:
     from lightning_bfpp.sim.draw import draw_schedule
 
@@ -167,7 +217,11 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs"))
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes, no sensitivity tables")
     parser.add_argument("--full", action="store_true", help="also activation checkpointing and achieved-compute tables")
+    parser.add_argument("--residency", action="store_true", help="only the tp=1 weight-residency table (64 GPUs, ~1 min)")
     args = parser.parse_args()
+    if args.residency:
+        print(residency_table(*load(args.model, args.cluster)))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, cluster = load(args.model, args.cluster)
@@ -176,31 +230,30 @@ def main() -> None:
     peak = float(yaml.safe_load((ROOT / "conf" / "cluster" / f"{args.cluster}.yaml").read_text())["peak_flops"])
 
     sections = []
+    fpt = model.flops_per_token()
     results = sweep(model, cluster, betas)
-    figure(results, betas, out / "paper_reproduction_throughput.png",
-           f"{args.model} on {cluster.world_size} GPUs ({args.cluster}), best layout per schedule", model.flops_per_token())
     small = replace(cluster, num_nodes=8)
     results64 = sweep(model, small, betas)
-    figure(results64, betas, out / "paper_reproduction_throughput_64.png",
-           f"{args.model} on {small.world_size} GPUs, best layout per schedule", model.flops_per_token())
-    sections.append((f"{small.world_size} GPUs (no activation checkpointing)",
-                     tables(results64, betas, peak, model.flops_per_token())))
-    sections.append(("Main sweep (model as in conf/model, no activation checkpointing)",
-                     tables(results, betas, peak, model.flops_per_token())))
+    figure([(results64, f"{args.model}, {small.world_size} GPUs"), (results, f"{args.model}, {cluster.world_size} GPUs")],
+           betas, out / "paper_reproduction_throughput.png", fpt, cluster.flops)
+    sections.append((f"{small.world_size} GPUs (no activation checkpointing)", tables(results64, betas, peak, fpt)))
+    sections.append((f"{cluster.world_size} GPUs (model as in conf/model, no activation checkpointing)",
+                     tables(results, betas, peak, fpt)))
 
     if args.full:
         ckpt = replace(model, checkpointing=True)
         results_ckpt = sweep(ckpt, cluster, betas)
-        figure(results_ckpt, betas, out / "paper_reproduction_throughput_ckpt.png",
-               f"{args.model} + activation checkpointing on {cluster.world_size} GPUs, best layout per schedule",
-               model.flops_per_token())
+        figure([(results_ckpt, f"{args.model} + activation checkpointing, {cluster.world_size} GPUs")], betas,
+               out / "paper_reproduction_throughput_ckpt.png", fpt, cluster.flops)
         sections.append(("With activation checkpointing (backward = 3 x forward)",
                          tables(results_ckpt, betas, peak, model.flops_per_token())))
         sections.append(("Sensitivity to achieved compute (no checkpointing, 25 GB/s)",
                          sensitivity_flops(model, cluster, peak, (0.3, 0.5, 0.7), (0.5, 1, 4))))
     if not args.quick:
         sections.append(("Sensitivity to inter-node bandwidth (no checkpointing)",
-                         sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 1, 2))))
+                         sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2))))
+        sections.append(("Inter-node bandwidth with each method's layout held fixed",
+                         fixed_layout_sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2))))
     bf1 = results.get((1, "breadth_first"))
     if bf1 not in (None, "n/a"):
         gantt(model, cluster, bf1, out / "paper_reproduction_bf_gantt.png")

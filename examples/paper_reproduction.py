@@ -1,6 +1,6 @@
 """Simulated reproduction of arXiv 2211.05953's throughput comparison (52B GPT on A100s).
 
-    python examples/paper_reproduction.py            # ~1-3 min on 2 cores; writes docs/paper_reproduction_*
+    python examples/paper_reproduction.py            # ~14 min on 2 loaded cores; writes docs/paper_reproduction_*
 
 For each batch size per GPU and each schedule, the planner's search restricted to that schedule picks the
 best layout (pp, loops, micro-batch count/size, groups, reshard policy) that fits in memory. The same
@@ -206,7 +206,7 @@ def gantt(model: Model, cluster: Cluster, plan, path: Path) -> None:
 
     c = plan.candidate
     result = simulate_candidate(model, cluster, c, timeline=True)
-    draw_schedule(result, path, title=f"52B, {c.schedule} pp={c.pipeline_parallel} loops={c.loops} "
+    draw_schedule(result, path, title=f"52B, {c.schedule} tp={c.tensor_parallel} pp={c.pipeline_parallel} loops={c.loops} "
                   f"m={c.micro_batches}x{c.micro_batch_size} dp={c.data_parallel} (simulated seconds)")
 
 

@@ -284,3 +284,35 @@ def test_sequence_parallel_sends_each_ranks_shard():
     message = 2 * 2 * 512 * 1024  # bf16 x micro-batch x seq x width
     assert whole.p2p_time(0, 1) == pytest.approx(1e-5 + message / 2.5e10)  # tp=8, dp=1: pipeline neighbours in other nodes
     assert split.p2p_time(0, 1) == pytest.approx(1e-5 + message / 8 / 2.5e10)
+
+
+def test_bandwidth_hurts_megatron_reduction_fully_and_overlapped_fsdp_partly():
+    """Same layout (52B cut to 16 layers, 128 GPUs, pp 4 x tp 8 + SP, 4 loops, 4 micro-batches, dp 4), inter-node
+    bandwidth halved: Megatron-like's end-of-step reduction is not overlapped, so its step grows by at least its
+    reduction's growth; BF's FSDP all-gathers and reduce-scatters run under compute, so its step grows by less
+    than half of theirs while they fit under it."""
+    from dataclasses import replace
+
+    model = Model(14, 64, 8192, 1024, 51200)
+    cluster = Cluster(devices=8, num_nodes=16, flops=156e12, device_memory=8e10, intra_bw=3e11, inter_bw=5e10,
+                      latency=1e-5, intra_latency=1e-6)
+    pp, loops, m, tp, dp = 4, 4, 4, 8, 4
+    bf = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m))
+    df = build_schedule(ScheduleSpec("depth_first", pipeline_parallel=pp, loops=loops, micro_batches=m))
+    kw = dict(pipeline_parallel=pp, loops=loops, data_parallel=dp, micro_batch_size=1, micro_batches=m,
+              tensor_parallel=tp, sequence_parallel=True)
+
+    def run(bw):
+        cl = replace(cluster, inter_bw=bw)
+        fsdp, dist_opt = build_costs(model, cl, sharding="full", **kw), build_costs(model, cl, sharding="optimizer", **kw)
+        local = lambda r: range(r, pp * loops, pp)  # noqa: E731
+        comm = max(sum(fsdp.stages[s].unshard + fsdp.stages[s].reduce for s in local(r)) for r in range(pp))
+        reduce = max(sum(dist_opt.stages[s].reduce for s in local(r)) for r in range(pp))
+        return simulate(bf, fsdp).step_time, simulate(df, dist_opt, MEGATRON).step_time, comm, reduce
+
+    bf_fast, mg_fast, comm_fast, reduce_fast = run(50e9)
+    bf_slow, mg_slow, comm_slow, reduce_slow = run(25e9)
+    assert reduce_slow - reduce_fast > 0.01  # the reduction is a visible part of the step
+    assert mg_slow - mg_fast >= (reduce_slow - reduce_fast) * (1 - 1e-9)
+    assert bf_slow - bf_fast < 0.5 * (comm_slow - comm_fast)
+    assert mg_slow / bf_slow > mg_fast / bf_fast  # so BF's lead grows as bandwidth falls (on one layout)

@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
-from lightning_bfpp.schedule import (
-    SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
-)
+from lightning_bfpp.schedule import LOOPED_SCHEDULES, SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, compute_order, lower
+from lightning_bfpp.schedule.dims import ParallelDims, divisors
 
 from .cost import WEIGHT_BYTES, Cluster, Costs, build_costs, state_bytes
 from .model import Model
@@ -42,6 +41,11 @@ class Candidate:
         return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
                             micro_batches=self.micro_batches, groups=self.groups,
                             reshard_after_forward=self.reshard_after_forward)
+
+    def dims(self, devices_per_node: int | None = None) -> ParallelDims:
+        """The layout as the runtime checks it (the cost-model-only sharding "optimizer" aside)."""
+        return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.tensor_parallel, spec=self.spec(),
+                            tensor_parallel=self.tensor_parallel, devices_per_node=devices_per_node)
 
     def overrides(self, *, cluster: str | None = None, model: str | None = None, batch_size: int | None = None) -> list[str]:
         """Hydra overrides for examples/train.py."""
@@ -75,10 +79,6 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {**asdict(self.candidate), **{k: v for k, v in asdict(self).items() if k != "candidate"}}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @lru_cache(maxsize=4096)
@@ -123,37 +123,40 @@ def candidates(
     none); within one count, cheaper-in-memory variants (groups, reshard after forward, residency) follow
     the faster one they trade against."""
     world = cluster.world_size
-    tps = [t for t in (tensor_parallels or _divisors(cluster.devices))
-           if cluster.devices % t == 0 and model.n_head % t == 0 and model.vocab % t == 0]
-    for tp, pp in ((t, p) for t in tps for p in _divisors(world // t)):
-        dp = world // (pp * tp)
-        if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world) or pp > model.num_layers or batch_size % dp:
+    tps = [t for t in (tensor_parallels or divisors(cluster.devices)) if model.n_head % t == 0 and model.vocab % t == 0]
+    for tp, pp in ((t, p) for t in tps for p in divisors(world // t)):
+        if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world):
             continue
-        replica = batch_size // dp
-        for mbs in reversed(_divisors(replica)):  # m ascending
+        try:  # the layout's own rules (schedule.dims): tp within a node, a layer per rank, the batch over dp
+            dims = ParallelDims(world=world, devices_per_node=cluster.devices, tensor_parallel=tp,
+                                spec=ScheduleSpec(pipeline_parallel=pp)).validate(num_layers=model.num_layers,
+                                                                                  global_batch=batch_size)
+        except ScheduleError:
+            continue
+        dp, replica = dims.data_parallel, batch_size // dims.data_parallel
+        for mbs in reversed(divisors(replica)):  # m ascending
             m = replica // mbs
             if max_micro_batches is not None and m > max_micro_batches:
                 break
-            for name, lp, groups in _orders(schedules, loops, m, max_groups, pp, model.num_layers):
+            for name, lp, groups in _orders(schedules, loops, m, max_groups):
                 for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
                     for raf, residency, cache in _fsdp_variants(sharding, lp, residencies):
                         c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache)
                         try:
-                            check_spec(c.spec())
+                            c.dims(cluster.devices).validate(num_layers=model.num_layers, global_batch=batch_size)
                         except ScheduleError:
                             continue
                         yield c
 
 
-def _orders(schedules: Sequence[str], loops: Sequence[int], m: int, max_groups: int, pp: int,
-            num_layers: int) -> Iterable[tuple[str, int, int]]:
+def _orders(schedules: Sequence[str], loops: Sequence[int], m: int, max_groups: int) -> Iterable[tuple[str, int, int]]:
     """(schedule, loops, groups) without twins: unlooped depth-first is 1f1b, ungrouped unlooped
     breadth-first is gpipe."""
     for name in schedules:
-        for lp in loops if name in ("breadth_first", "depth_first") else (1,):
-            if pp * lp > num_layers or (name == "depth_first" and lp == 1 and "1f1b" in schedules):
+        for lp in loops if name in LOOPED_SCHEDULES else (1,):
+            if name == "depth_first" and lp == 1 and "1f1b" in schedules:
                 continue
-            for groups in _divisors(m) if name == "breadth_first" else (1,):
+            for groups in divisors(m) if name == "breadth_first" else (1,):
                 if groups <= max_groups and not (name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules):
                     yield name, lp, groups
 

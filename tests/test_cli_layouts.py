@@ -29,40 +29,47 @@ def _last_eval(run_dir) -> dict[str, float]:
     return {k: float(rows[-1][k]) for k in ("val_acc", "val_bpb")}
 
 
-def test_same_train_loss_on_one_two_and_four_processes(tmp_path):
+ONE_PROCESS = ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The single-process bfpp run (pp=1) that several layouts are compared with: run once per module."""
+    tmp = tmp_path_factory.mktemp("one_process")
+    run_cli(COMMON + ONE_PROCESS + [f"hydra.run.dir={tmp / 'run'}"], cwd=tmp)
+    return tmp / "run"
+
+
+def _values(run_dir) -> tuple[float, ...]:
+    s = _summary(run_dir)
+    assert s["steps"] == 3 and s["data_parallel"] == 1
+    return (s["train_loss"], s["val_loss"], *_last_eval(run_dir).values())
+
+
+def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
     """optim=sgd, same data and steps: plain Lightning (strategy=auto) and bfpp pp=1 (1 process), pp=2 x loops=2
     (2), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's own validation_step)."""
     layouts = {
         "auto": ["cluster=cpu_1", "trainer.strategy=auto"],
-        "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
         "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
         "cpu4": ["cluster=cpu_4", "schedule.pipeline_parallel=4", "schedule.loops=1", "schedule.micro_batches=4"],
     }
-    losses = {}
+    losses = {"cpu1": _values(one_process)}
     for name, args in layouts.items():
         run_cli(COMMON + args + [f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
-        s = _summary(tmp_path / name)
-        assert s["steps"] == 3 and s["data_parallel"] == 1
-        losses[name] = (s["train_loss"], s["val_loss"], *_last_eval(tmp_path / name).values())
+        losses[name] = _values(tmp_path / name)
     base = losses["auto"]
     for name, values in losses.items():
         assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values, base)), losses
 
 
-def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path):
+def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path, one_process):
     """schedule.tensor_parallel=2 with pipeline_parallel=2 on 4 processes (dp 1): the GPT's blocks, embedding and head
     split by its pipeline_tp_plan give the single-process losses and torchmetrics values (optim=sgd)."""
-    layouts = {
-        "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
-        "tp2": ["cluster=cpu_4", "schedule.pipeline_parallel=2", "schedule.tensor_parallel=2", "schedule.loops=1",
-                "schedule.micro_batches=2"],
-    }
-    values = {}
-    for name, args in layouts.items():
-        run_cli(COMMON + args + [f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
-        s = _summary(tmp_path / name)
-        assert s["steps"] == 3 and s["data_parallel"] == 1
-        values[name] = (s["train_loss"], s["val_loss"], *_last_eval(tmp_path / name).values())
+    tp2 = ["cluster=cpu_4", "schedule.pipeline_parallel=2", "schedule.tensor_parallel=2", "schedule.loops=1",
+           "schedule.micro_batches=2"]
+    run_cli(COMMON + tp2 + [f"hydra.run.dir={tmp_path / 'tp2'}"], cwd=tmp_path)
+    values = {"cpu1": _values(one_process), "tp2": _values(tmp_path / "tp2")}
     assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values["tp2"], values["cpu1"])), values
 
 
@@ -70,7 +77,7 @@ def test_tied_embeddings_across_stages_match_one_process(tmp_path):
     """model.tie_weights=true: the embedding (first stage) and the output head (last stage, other pipeline rank)
     share one matrix; pp=2 x loops=2 trains it like the single-process model."""
     layouts = {
-        "cpu1": ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=1"],
+        "cpu1": ONE_PROCESS,
         "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
     }
     losses = {}

@@ -87,7 +87,7 @@ def _worker(out: Path, configs: list[dict]) -> None:
         tokens = torch.randint(0, gcfg.vocab_size, (batch * (cfg["steps"] + 1), gcfg.block_size + 1), generator=g)
         data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=False, drop_last=True)
         strategy = BFPPStrategy(pipeline_parallel=cfg["pp"], loops=cfg["loops"], micro_batches=cfg["micro_batches"],
-                                schedule=cfg["schedule"])
+                                schedule=cfg["schedule"], measure_every_n_steps=1)  # step_stats of every step
         record = Record()
         trainer = Trainer(accelerator="cpu", devices=cfg["devices"], strategy=strategy, max_steps=cfg["steps"],
                           precision="32-true", gradient_clip_val=1.0, logger=False, enable_checkpointing=False,

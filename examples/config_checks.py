@@ -38,6 +38,11 @@ def _is_positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def _default(value, default):
+    """`default` for an unset (null) key; any other value, even 0 or "", is checked as given."""
+    return default if value is None else value
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -48,9 +53,7 @@ def check_config(cfg: DictConfig) -> None:
     check_precision(cfg)
     check_model_and_data(cfg)
     check_optim(cfg)
-    dp = check_layout(cfg)
-    if dp is not None:
-        check_corpus(cfg, dp)
+    check_corpus(cfg, check_layout(cfg))
 
 
 def check_trainer_keys(cfg: DictConfig) -> None:
@@ -148,9 +151,9 @@ def check_optim(cfg: DictConfig) -> None:
             raise ConfigError(f"optim.{key}={shown!r} {rule}; {fix}.")
 
 
-def check_layout(cfg: DictConfig) -> int | None:
-    """World size, pipeline stages and the global batch, by the layout's own rules (``ParallelDims.validate``)
-    in the app's key names; returns data_parallel (None: BFPPStrategy will name an illegal schedule knob)."""
+def check_layout(cfg: DictConfig) -> int:
+    """World size, schedule knobs, pipeline stages and the global batch, by the layout's own rules
+    (``ParallelDims.validate``) in the app's key names; returns data_parallel."""
     def get(key: str):
         return OmegaConf.select(cfg, key)
 
@@ -158,17 +161,17 @@ def check_layout(cfg: DictConfig) -> int | None:
     dims, n_layer = ParallelDims(world=devices * nodes, devices_per_node=devices), None
     if get("trainer.strategy") == "bfpp":
         pp, loops, m = get("schedule.pipeline_parallel"), get("schedule.loops"), get("schedule.micro_batches")
-        m, tp = pp if m is None else m, get("schedule.tensor_parallel") or 1
-        if not all(_is_positive_int(v) for v in (pp, loops, m, tp)):
-            return None  # BFPPStrategy names the illegal schedule knob
+        m, tp = _default(m, pp), _default(get("schedule.tensor_parallel"), 1)
         spec = ScheduleSpec(get("schedule.name"), pipeline_parallel=pp, loops=loops, micro_batches=m,
-                            groups=get("schedule.groups") or 1)
+                            groups=_default(get("schedule.groups"), 1))
         dims = ParallelDims(world=devices * nodes, devices_per_node=devices, spec=spec, tensor_parallel=tp,
-                            sharding=get("schedule.sharding") or "full")
+                            sharding=_default(get("schedule.sharding"), "full"))
         n_layer = get("model.n_layer")
     names = Names(
         pipeline_parallel="schedule.pipeline_parallel", tensor_parallel="schedule.tensor_parallel",
-        loops="schedule.loops", micro_batches="schedule.micro_batches", sharding="schedule.sharding",
+        loops="schedule.loops", groups="schedule.groups",
+        micro_batches="schedule.micro_batches" if n_layer is not None else "micro_batches (1 under strategy=auto)",
+        sharding="schedule.sharding",
         world="cluster.devices x cluster.num_nodes", devices="cluster.devices", batch="data.batch_size",
         # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
         layers=f"model.n_layer={n_layer} (embedding, {n_layer} blocks, head)")

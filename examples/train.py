@@ -23,6 +23,8 @@ from hydra.types import RunMode
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+if __package__:  # `python -m examples.train` (Lightning's launcher relaunches it so): the example's modules are here
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir as rundir  # noqa: E402
 from config_checks import check_config  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.machinery
 import sys
 from typing import Any
 
@@ -61,10 +60,13 @@ class _RegisterWhenImported(importlib.abc.MetaPathFinder):
         if fullname != _STRATEGIES:
             return None
         sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisteringLoader(spec.loader)
-        return spec
+        for finder in sys.meta_path:  # whichever finder would have found it (usually the PathFinder)
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
 
 
 class _RegisteringLoader(importlib.abc.Loader):

@@ -132,6 +132,9 @@ def test_bad_setting_under_torchrun_fails_on_every_rank(results):
 # ---- the app's rules, in this process (compose + check_config; no command line, no processes) ----
 CHECKS = [  # (overrides, what the error must say)
     (["optim.lr=-1"], "optim.lr=-1 must be a number > 0"),
+    (["schedule.loops=0"], "schedule.loops=0 must be a positive integer"),  # not replaced by a default
+    (["schedule.groups=0"], "schedule.groups=0 must be a positive integer"),
+    (["schedule.sharding=''"], "schedule.sharding='' is unknown"),
     (["optim.lr=0"], "optim.lr=0 must be a number > 0"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1"),

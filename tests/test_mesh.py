@@ -4,24 +4,17 @@ per dimension as init_device_mesh, and its groups time out after the given timeo
 from __future__ import annotations
 
 import os
-import socket
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_bfpp.parallel import DP, PP, TP, build_mesh
+from procenv import free_port
 
 WORLD = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
@@ -57,7 +50,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
     manager = mp.Manager()
     out = manager.dict()
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
     for rank in range(WORLD):
         for key, dims in out[rank].items():
             if len(key) == 2:

@@ -20,10 +20,12 @@ class LayoutError(ScheduleError):
 class Names:
     """How a caller's users spell each setting in error messages (default: BFPPStrategy's arguments)."""
 
+    schedule: str = "schedule"
     pipeline_parallel: str = "pipeline_parallel"
     tensor_parallel: str = "tensor_parallel"
     loops: str = "loops"
     micro_batches: str = "micro_batches"
+    groups: str = "groups"
     sharding: str = "sharding"
     world: str = "devices x num_nodes"
     devices: str = "devices"  # processes per node
@@ -68,7 +70,7 @@ class ParallelDims:
                  names: Names = Names()) -> ParallelDims:
         """Raise ScheduleError / LayoutError naming the setting (in `names`' words) and a fix for the first rule
         broken; `num_layers` and `global_batch` are checked when known. Returns self."""
-        check_spec(self.spec)
+        check_spec(self.spec, names)
         self._check_options(names)
         self._check_world(names)
         if num_layers is not None:

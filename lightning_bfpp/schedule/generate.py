@@ -5,33 +5,38 @@ from __future__ import annotations
 from .actions import LOOPED_SCHEDULES, SCHEDULES, Action, Op, ScheduleError, ScheduleSpec
 
 
-def check_spec(spec: ScheduleSpec) -> None:
-    """Raise ScheduleError naming the setting and the fix when `spec` is not a legal schedule."""
+def check_spec(spec: ScheduleSpec, names=None) -> None:
+    """Raise ScheduleError naming the setting and the fix when `spec` is not a legal schedule. `names`
+    (``dims.Names``): how the caller's users spell the settings (default: BFPPStrategy's arguments)."""
+    def n(key: str) -> str:
+        return getattr(names, key, key)
+
     if spec.name not in SCHEDULES:
-        raise ScheduleError(f"schedule={spec.name!r} is unknown; choose one of {', '.join(SCHEDULES)}.")
+        raise ScheduleError(f"{n('schedule')}={spec.name!r} is unknown; choose one of {', '.join(SCHEDULES)}.")
     hints = {"pipeline_parallel": "1 = no pipelining", "loops": "1 = one stage per pipeline rank",
              "micro_batches": "usually a multiple of pipeline_parallel", "groups": "1 = one breadth-first pass"}
     for key, hint in hints.items():
         value = getattr(spec, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ScheduleError(f"{key}={value!r} must be a positive integer (>= 1; {hint}); set {key}=1 or more.")
+            raise ScheduleError(f"{n(key)}={value!r} must be a positive integer (>= 1; {hint}); set {n(key)}=1 or more.")
     pp, loops, m, groups = spec.pipeline_parallel, spec.loops, spec.micro_batches, spec.groups
     if spec.name not in LOOPED_SCHEDULES and loops != 1:
         raise ScheduleError(
-            f"schedule={spec.name} is not looped: loops={loops} must be 1 "
-            f"(or use schedule=breadth_first / depth_first for looped stages)."
+            f"{n('schedule')}={spec.name} is not looped: {n('loops')}={loops} must be 1 "
+            f"(or use {n('schedule')}=breadth_first / depth_first for looped stages)."
         )
     if groups != 1 and spec.name != "breadth_first":
-        raise ScheduleError(f"groups={groups} (accumulation groups) needs schedule=breadth_first; set groups=1.")
+        raise ScheduleError(f"{n('groups')}={groups} (accumulation groups) needs {n('schedule')}=breadth_first; set "
+                            f"{n('groups')}=1.")
     if m % groups:
         raise ScheduleError(
-            f"micro_batches={m} must be divisible by groups={groups}; e.g. micro_batches={-(-m // groups) * groups}, "
-            f"or groups=1."
+            f"{n('micro_batches')}={m} must be divisible by {n('groups')}={groups}; e.g. "
+            f"{n('micro_batches')}={-(-m // groups) * groups}, or {n('groups')}=1."
         )
     if spec.name == "depth_first" and loops > 1 and m % pp:
         raise ScheduleError(
-            f"schedule=depth_first with loops={loops} needs micro_batches ({m}) divisible by "
-            f"pipeline_parallel ({pp}); change micro_batches (e.g. micro_batches={-(-m // pp) * pp})."
+            f"{n('schedule')}=depth_first with {n('loops')}={loops} needs {n('micro_batches')} ({m}) divisible by "
+            f"{n('pipeline_parallel')} ({pp}); change {n('micro_batches')} (e.g. {n('micro_batches')}={-(-m // pp) * pp})."
         )
 
 

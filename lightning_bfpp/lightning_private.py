@@ -78,3 +78,10 @@ def set_module_device_mesh(module: Any, mesh: Any) -> None:
     """Give the LightningModule its ``device_mesh`` (a read-only property over ``_device_mesh``), as Lightning's
     ModelParallelStrategy does in its ``setup_environment``. Public alternative checked: none (no setter)."""
     module._device_mesh = mesh
+
+
+def train_data_source(trainer: Any) -> Any:
+    """The training data `fit()` was given (``fit_loop._data_source``, set before the strategy's setup: its
+    ``instance`` is the DataLoader or datamodule, ``dataloader()`` builds the loader), else None. Public
+    alternative checked: ``trainer.train_dataloader`` (None until the fit loop sets up its data, after setup)."""
+    return getattr(getattr(trainer, "fit_loop", None), "_data_source", None)

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..partition import StageModule, describe_layers, input_kwargs
 from ..layer_io import side_inputs_of
+from ..lightning_private import train_data_source
 from ..schedule.layout import balanced_layout
 
 
@@ -104,7 +105,7 @@ def sample_micro_batch(module: Any, trainer: Any, micro_batches: int) -> tuple[A
     """(inputs, target) of one micro-batch: the first training batch through ``module.pipeline_inputs``, its
     first 1/`micro_batches` rows; without training data, ``module.example_input_array`` (target None: the last
     layer's backward then runs without the loss)."""
-    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)  # set by fit() before setup
+    source = train_data_source(trainer)
     loader = source.dataloader() if source is not None and source.is_defined() else None
     if loader is not None:
         inputs, target = module.pipeline_inputs(next(iter(loader)))

@@ -208,8 +208,9 @@ def sample_inputs(module: Any, sample: Any = None) -> tuple[Any, Any]:
         sample = getattr(module, "example_input_array", None)
     if sample is not None:
         return sample, None
-    source = getattr(getattr(module.trainer, "fit_loop", None), "_data_source", None)
-    loader = getattr(source, "instance", None)
+    from .lightning_private import train_data_source
+
+    loader = getattr(train_data_source(module.trainer), "instance", None)
     if isinstance(loader, DataLoader):
         return module.pipeline_inputs(next(iter(loader)))
     raise ValueError(

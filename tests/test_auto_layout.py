@@ -153,6 +153,26 @@ def test_app_schedule_layout_auto_pins_what_was_typed():
     assert train.build_strategy(cfg).auto_layout is None  # the default: the knobs as given
 
 
+def test_the_timed_micro_batch():
+    """AutoLayout(sample=...) first, then example_input_array, then a DataLoader given to fit; a datamodule: error."""
+    from exact_model import StackNet, dataset
+
+    from lightning_bfpp.auto_layout import sample_inputs
+
+    model = StackNet(n_blocks=1)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=8)
+    source = SimpleNamespace(instance=loader)
+    model.trainer = SimpleNamespace(fit_loop=SimpleNamespace(_data_source=source))
+    inputs, target = sample_inputs(model)
+    assert inputs.shape == (8, 16) and target.shape == (8,)
+    model.example_input_array = torch.ones(2, 16)
+    assert torch.equal(sample_inputs(model)[0], torch.ones(2, 16)) and sample_inputs(model)[1] is None
+    assert torch.equal(sample_inputs(model, torch.zeros(3, 16))[0], torch.zeros(3, 16))
+    model.example_input_array, source.instance = None, SimpleNamespace()  # a datamodule: not set up yet
+    with pytest.raises(ValueError, match="example_input_array"):
+        sample_inputs(model)
+
+
 # ---- one 2-process run (Lightning's launcher) ----
 def test_two_processes_train_with_one_pick(tmp_path):
     import procenv

@@ -159,7 +159,11 @@ def check_layout(cfg: DictConfig) -> int:
 
     devices, nodes = get("cluster.devices"), get("cluster.num_nodes")
     dims, n_layer = ParallelDims(world=devices * nodes, devices_per_node=devices), None
-    if get("trainer.strategy") == "bfpp":
+    auto = get("trainer.strategy") == "bfpp" and get("schedule.layout") == "auto"
+    if auto:  # the planner picks the knobs (the typed ones pinned) for data.batch_size; BFPPStrategy checks the pins
+        dims = ParallelDims(world=devices * nodes, devices_per_node=devices,
+                            tensor_parallel=_default(get("schedule.tensor_parallel"), 1))
+    elif get("trainer.strategy") == "bfpp":
         pp, loops, m = get("schedule.pipeline_parallel"), get("schedule.loops"), get("schedule.micro_batches")
         m, tp = _default(m, pp), _default(get("schedule.tensor_parallel"), 1)
         spec = ScheduleSpec(get("schedule.name"), pipeline_parallel=pp, loops=loops, micro_batches=m,
@@ -176,8 +180,8 @@ def check_layout(cfg: DictConfig) -> int:
         # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
         layers=f"model.n_layer={n_layer} (embedding, {n_layer} blocks, head)")
     try:
-        dims.validate(num_layers=None if n_layer is None else n_layer + 2, global_batch=get("data.batch_size"),
-                      names=names)
+        dims.validate(num_layers=None if n_layer is None else n_layer + 2,
+                      global_batch=None if auto else get("data.batch_size"), names=names)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return dims.data_parallel

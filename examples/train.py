@@ -261,11 +261,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     datamodule = CorpusDataModule(**data_keys)
 
     s, bfpp = cfg.schedule, cfg.trainer.strategy == "bfpp"
-    run_name = f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}" if bfpp else "auto"
+    auto = bfpp and s.get("layout") == "auto"  # the planner picks the layout at start (printed; in summary.json)
+    run_name = "bfpp-layout-auto" if auto else f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}" if bfpp \
+        else "auto"
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight is one Parameter: counted once
     pp = s.pipeline_parallel if bfpp else 1
     tp = s.get("tensor_parallel", 1) if bfpp else 1
-    layout = {"world_size": world_size(cfg), "data_parallel": world_size(cfg) // (pp * tp), "params": n_params}
+    layout = {"world_size": world_size(cfg), "data_parallel": None if auto else world_size(cfg) // (pp * tp),
+              "params": n_params}
     metrics = PipelineMetrics(
         # 6 N + 12 L C T (model.n_layer, n_embd, block_size): also for the HF models (N counts SwiGLU and GQA as built)
         flops_per_token=flops_per_token(cfg.model, n_params),

@@ -39,6 +39,13 @@ from .tensor_parallel import grads_like_params, layer_plans
 from .user_steps import run_on_last_stage, user_step
 
 
+BATCH_NAMES = Names(batch="global_batch_size")
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 class BFPPStrategy(ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
 
@@ -122,20 +129,28 @@ class BFPPStrategy(ModelParallelStrategy):
         if self.auto_layout is not None and not isinstance(self.auto_layout, AutoLayout):
             raise ValueError(f"layout={layout!r} must be 'auto', an AutoLayout(...) or None (the knobs as given).")
         self.pinned = {k: given[k] for k in KNOBS if given[k] is not None} if self.auto_layout else {}
-        if self.auto_layout and not (isinstance(global_batch_size, int) and global_batch_size >= 1):
-            raise ValueError(f"layout='auto' needs global_batch_size (samples per optimizer step over all replicas), "
-                             f"got {global_batch_size!r}: every candidate layout trains that same batch, each replica "
-                             "loading global_batch_size / data_parallel (strategy.replica_batch_size).")
+        if (self.auto_layout or global_batch_size is not None) and not (
+                isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1):
+            raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer, the samples per "
+                             "optimizer step over all replicas (layout='auto' needs global_batch_size: every candidate "
+                             "layout trains that same batch, each replica loading global_batch_size / data_parallel, "
+                             "strategy.replica_batch_size).")
+        if self.auto_layout and tensor_parallel != 1:
+            raise ValueError(f"layout='auto' searches tensor_parallel=1 only; set the layout by hand for tensor_parallel"
+                             f"={tensor_parallel!r}.")
         self.global_batch_size = global_batch_size
+        self._decided = False  # layout="auto": decided in setup_environment
         # pp = world size, decided once the world is known (layout="auto": the planner's, in setup_environment)
         self._default_layout = pipeline_parallel is None and self.auto_layout is None
         self._requested_micro_batches = micro_batches
         self._contract_announced = False
+        self._layout_announced = False
         pp = 1 if pipeline_parallel is None else pipeline_parallel
         m = micro_batches if micro_batches is not None else 1 if self.auto_layout else pp
-        spec = ScheduleSpec(schedule or "breadth_first", pipeline_parallel=pp, loops=loops or 1, groups=groups or 1,
-                            micro_batches=m, reshard_after_forward=bool(reshard_after_forward))
-        sharding = sharding or "full"
+        spec = ScheduleSpec(_given(schedule, "breadth_first"), pipeline_parallel=pp, loops=_given(loops, 1),
+                            groups=_given(groups, 1), micro_batches=m,
+                            reshard_after_forward=bool(_given(reshard_after_forward, False)))
+        sharding = _given(sharding, "full")  # (None: not given; 0, "" and other values are checked as given)
         # Bad settings fail here, before any process starts: the layout's rules (``schedule.dims``) with the world
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
@@ -189,7 +204,7 @@ class BFPPStrategy(ModelParallelStrategy):
     @property
     def replica_batch_size(self) -> int | None:
         """Samples each data-parallel replica's training loader yields per step (global_batch_size / data_parallel)."""
-        return None if self.global_batch_size is None else self.dims.replica_batch(self.global_batch_size)
+        return None if self.global_batch_size is None else self.dims.replica_batch(self.global_batch_size, BATCH_NAMES)
 
     @property
     def schedule(self) -> Schedule:
@@ -208,12 +223,15 @@ class BFPPStrategy(ModelParallelStrategy):
             spec = dataclasses.replace(spec, pipeline_parallel=pp, micro_batches=m)
         changed = spec != self.spec
         self.dims = dataclasses.replace(self.dims, world=world, devices_per_node=self.num_processes, spec=spec)
-        self.dims.validate(num_layers=num_layers)
+        undecided = self.auto_layout is not None and not self._decided  # the planner picks a layout the batch fits
+        self.dims.validate(num_layers=num_layers, global_batch=None if undecided else self.global_batch_size,
+                           names=BATCH_NAMES)
         if changed:
             self._train_schedule = build_schedule(spec)
             if self.stage_layers not in (None, "auto"):
                 self.stage_layers = check_layout(self.stage_layers, None, spec.num_stages)
-        if self._default_layout and num_layers is not None and not self._contract_announced:
+        if self._default_layout and num_layers is not None and not self._layout_announced:
+            self._layout_announced = True
             rank_zero_info(
                 f"bfpp: default layout on {world} processes: pipeline_parallel={spec.pipeline_parallel}, "
                 f"data_parallel={self.dims.data_parallel}, tensor_parallel={self.tensor_parallel}, "
@@ -240,15 +258,10 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
 
-    _decided = False
-
     def _decide_layout(self) -> None:
         """layout="auto" on every rank at once, the process group up: each rank measures the layers, the numbers are
         min-reduced and rank 0's pick is broadcast (``auto_layout.decide``), so every rank builds the same mesh."""
         module = self.lightning_module
-        if self.tensor_parallel > 1:
-            raise ValueError("layout='auto' searches tensor_parallel=1 only; set the layout by hand for tensor_parallel"
-                             f"={self.tensor_parallel}.")
         layers = list(module.pipeline_layers())
         inputs, target = sample_inputs(module, self.auto_layout.sample)
         explicit = isinstance(self.stage_layers, list)

@@ -33,6 +33,13 @@ def test_string_name_registers_the_strategy():
         ({"pipeline_parallel": 0}, ScheduleError, "pipeline_parallel=0 must be a positive integer"),
         ({"pipeline_parallel": 2, "loops": 2, "stage_layers": [1, 2]}, ValueError, r"stage_layers=\[1, 2\] must list 4"),
         ({"pipeline_parallel": 2, "stage_layers": [3, 0]}, ValueError, r"stage_layers=\[3, 0\] must list 2 positive"),
+        # 0 and "" are refused, not taken for "not given" (None)
+        ({"pipeline_parallel": 2, "loops": 0}, ScheduleError, "loops=0 must be a positive integer"),
+        ({"groups": 0}, ScheduleError, "groups=0 must be a positive integer"),
+        ({"schedule": ""}, ScheduleError, "schedule='' is unknown"),
+        ({"sharding": ""}, ValueError, "sharding='' is unknown"),
+        ({"global_batch_size": 0}, ValueError, "global_batch_size=0 must be a positive integer"),
+        ({"layout": "auto", "global_batch_size": 8, "tensor_parallel": 2}, ValueError, "searches tensor_parallel=1 only"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, error, match):

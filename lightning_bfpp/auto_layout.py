@@ -15,7 +15,7 @@ from torch import nn
 
 from .runtime.layer_cost import measure_layer_times, time_balanced_layout
 from .schedule import SCHEDULES, ScheduleSpec
-from .schedule.dims import LayoutError, ParallelDims
+from .schedule.dims import LayoutError, ParallelDims, divisors
 from .sim import Cluster, Layers, SimOptions, build_costs, simulate
 from .sim.planner import DEFAULT_LOOPS, Candidate, Plan, candidate_schedule, search
 
@@ -153,7 +153,14 @@ def plan_layout(layers: Layers, cluster: Cluster, world: int, global_batch: int,
                  min_pipeline_parallel=pp or 1, max_pipeline_parallel=pp, tensor_parallels=(1,), residencies=("step",))
     # pinned memory-for-speed knobs or micro-batch counts: no pruning (the pinned variants must be simulated)
     exhaustive = bool({"micro_batches", "groups", "reshard_after_forward"} & set(pinned))
-    plans = search(model, cluster, global_batch, options=options, top=RERANK, include_unfit=exhaustive, **space)
+    if stage_count:  # an explicit cut's length: one search per pp x loops = stage_count (pinned knobs kept)
+        spaces = [{**space, "min_pipeline_parallel": d, "max_pipeline_parallel": d, "loops": [stage_count // d]}
+                  for d in divisors(stage_count) if (pp or d) == d and pinned.get("loops", stage_count // d) == stage_count // d]
+    else:
+        spaces = [space]
+    plans = sorted((p for sp in spaces for p in search(model, cluster, global_batch, options=options, top=RERANK,
+                                                       include_unfit=exhaustive, **sp)),
+                   key=lambda p: -p.tokens_per_second_per_device)
     legal = []
     for p in plans:
         c = p.candidate
@@ -245,7 +252,7 @@ def decide(module: Any, layers: Sequence[nn.Module], inputs: Any, target: Any, d
     cluster = settings.cluster or default_cluster(device, world, devices_per_node)
     ranked = plan_layout(measured, cluster, world, global_batch, pinned, blocking_reduce=device.type == "cpu",
                          stage_count=stage_count)
-    (best, cut), c = ranked[0], ranked[0][0].candidate
+    (_, cut), c = ranked[0], ranked[0][0].candidate
     code = [float(SCHEDULES.index(c.schedule)), c.pipeline_parallel, c.loops, c.micro_batches, c.groups,
             float(c.sharding == "full"), float(c.reshard_after_forward), *cut, *[0] * (n - len(cut))]
     code = [int(round(v)) for v in _same_everywhere(code, device, "broadcast")]  # fixed length: n + 7

@@ -58,6 +58,12 @@ def test_pinned_knobs_are_kept(pinned):
         assert {k: getattr(plan.candidate, k) for k in pinned} == pinned
 
 
+@pytest.mark.parametrize("stage_count", [5, 10])  # loops 5 and 10 are not among the planner's default loops
+def test_any_explicit_cut_length_is_searched(stage_count):
+    ranked = plan_layout(layers(), cluster(), 2, 8, {}, stage_count=stage_count)
+    assert ranked and all(p.candidate.pipeline_parallel * p.candidate.loops == stage_count for p, _ in ranked)
+
+
 def test_an_explicit_cut_pins_the_number_of_stages():
     ranked = plan_layout(layers(), cluster(), 2, 8, {}, stage_count=4)
     assert {p.candidate.pipeline_parallel * p.candidate.loops for p, _ in ranked} == {4}

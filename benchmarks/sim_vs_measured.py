@@ -171,7 +171,7 @@ def main() -> None:
         cluster_path = ROOT / "conf" / "cluster" / "cpu_2_calibrated.yaml"
         calibrate(args.model, "cpu_2", micro_batch_size=args.micro_batch_size, threads=args.threads, out=cluster_path)
     else:
-        cluster_path = Path(args.cluster)
+        cluster_path = Path(args.cluster).resolve()
     cluster_cfg = yaml.safe_load(cluster_path.read_text())
 
     names = [n for n in args.schedules.split(",") if n]

@@ -1,7 +1,7 @@
 """`make bench`: run P1 (overhead), P2 (bubble), P4 (scaling), P5 (memory), the FSDP comparison and bfpp against
 torch's own schedule classes, write benchmarks/results/summary.json and benchmarks/results/summary.png. See BENCHMARKS.md.
 
-    python benchmarks/run_all.py                 # the full suite (~4.5 minutes on 2 cores)
+    python benchmarks/run_all.py                 # the full suite (~15 minutes on 2 cores, auto included)
     python benchmarks/run_all.py --quick         # gpt_tiny, 2 rounds: a smoke test, results in the --work dir
     python benchmarks/run_all.py --only p1,p2    # a subset (merged into an existing summary.json)
     python benchmarks/run_all.py --only torch    # bfpp vs ScheduleLoopedBFS/Interleaved1F1B/GPipe/1F1B alone

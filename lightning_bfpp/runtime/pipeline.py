@@ -20,6 +20,8 @@ from .grad_sync import BucketedAllReduce
 from .instrument import SavedActivationMeter, Timeline
 from .torch_bridge import build_runtime
 
+_BATCH_NAMES = Names(replica_batch="batch")  # how a step's batch is named when it does not split into micro-batches
+
 
 def _shape_key(inputs: Any) -> tuple:
     items = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -86,7 +88,7 @@ class PipelineRunner:
         return self._runtimes[key][0]
 
     def _run(self, mode: str, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[Any, list[torch.Tensor]]:
-        micro_batch_size(_batch_size(inputs), self.spec.micro_batches, Names(replica_batch="batch"))
+        micro_batch_size(_batch_size(inputs), self.spec.micro_batches, _BATCH_NAMES)
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []

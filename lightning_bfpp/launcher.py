@@ -18,7 +18,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from typing_extensions import override
 
 from .lightning_private import SubprocessScriptLauncher, set_num_threads_if_needed
-from .watchdog import FAILED
+from .watchdog import FAILED, say_stop
 
 OBSERVER_WAIT = 9.0  # seconds the launching process gives its watchdog (1 s poll + 5 s grace + 1 s) after a child's failure
 
@@ -83,8 +83,7 @@ class ChildObserver(threading.Thread):
                 break
         time.sleep(self.wait)  # the watchdog or the main thread normally ends this process meanwhile
         i, code = failed
-        print(f"[rank {self.first_rank - 1}] bfpp: the job stops because rank {self.first_rank + i} "
-              f"(pid {self.procs[i].pid}) exited with code {code}", file=sys.stderr, flush=True)
+        say_stop(self.first_rank - 1, f"rank {self.first_rank + i} (pid {self.procs[i].pid}) exited with code {code}")
         self.stop_children(0.0)
         os._exit(code if code > 128 else FAILED)
 

@@ -25,6 +25,15 @@ def signal_code(signum: int) -> int:
     """Exit code of every rank when a rank got `signum`: the shell's 128 + N (SIGTERM 143, SIGINT 130)."""
     return 128 + int(signum)
 
+
+def say_stop(rank: int, reason: str) -> str:
+    """Print why the job stops as one write of one line, so ranks sharing a terminal or pipe never interleave."""
+    message = f"[rank {rank}] bfpp: the job stops because {reason}"
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (message + "\n").encode())  # one write under PIPE_BUF is atomic
+    return message
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a local process exists and is not a zombie (a killed child its parent has not reaped yet)."""
     try:
@@ -178,9 +187,7 @@ class Watchdog:
         except Exception:  # the store's host is gone: say what this rank knows
             pass
         self.code = code
-        message = f"[rank {self.rank}] bfpp: the job stops because {culprit}"
-        print(message, file=sys.stderr, flush=True)
-        return message
+        return say_stop(self.rank, culprit)
 
     def progress(self, step: int) -> None:
         """Note the training step this rank has reached (named when a wait times out on a stuck rank). Only noted
@@ -303,7 +310,7 @@ class Watchdog:
         if self._stop.is_set():
             return
         self.code = code
-        print(f"[rank {self.rank}] bfpp: the job stops because {reason}", file=sys.stderr, flush=True)
+        say_stop(self.rank, reason)
         signalled = code != FAILED
         wait = 0.0 if signalled else self.grace if wait is None else wait
         if wait and self._stop.wait(wait):

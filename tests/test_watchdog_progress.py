@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -29,3 +33,20 @@ def test_progress_is_published_by_the_watching_thread_not_the_caller():
         watchdog.stop(finished=True)
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_saying_why_at_once_never_share_a_line():
+    """Four ranks print why the job stops into one pipe at the same moment (a CI run once read
+    `[rank 0] ... SIGINT[rank 1] ... SIGINT`, and the test missed rank 1): every message is one whole line."""
+    code = ("import sys; from lightning_bfpp.watchdog import say_stop\n"
+            "for _ in range(3000): say_stop(int(sys.argv[1]), 'rank 0 got SIGINT')\n")
+    read, write = os.pipe()  # unbuffered (as the tests launch jobs, and many clusters do), print() writes text and newline apart
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stderr=write, env=env) for r in range(4)]
+    os.close(write)
+    with open(read) as pipe:
+        lines = pipe.read().splitlines()
+    assert [p.wait() for p in procs] == [0] * 4
+    whole = re.compile(r"\[rank \d\] bfpp: the job stops because rank 0 got SIGINT")
+    assert len(lines) == 12000, len(lines)
+    assert all(whole.fullmatch(line) for line in lines), [line for line in lines if not whole.fullmatch(line)][:3]

@@ -138,6 +138,7 @@ def check_optim(cfg: DictConfig) -> None:
     if o.name == "adamw":
         rules.append(("betas", lambda v: len(v) == 2 and all(_is_number(b) and 0 <= b < 1 for b in v),
                       "must be two numbers in [0, 1)", "e.g. optim.betas=[0.9,0.95]"))
+        rules.append(("eps", lambda v: _is_number(v) and v > 0, "must be a number > 0", "e.g. optim.eps=1e-8"))
     else:
         rules.append(("momentum", lambda v: _is_number(v) and 0 <= v < 1, "must be in [0, 1)", "e.g. optim.momentum=0.9"))
     for key, holds, rule, fix in rules:

@@ -37,6 +37,7 @@ class OptimConfig:
     lr: float = 3e-3  # peak learning rate (after warmup)
     weight_decay: float = 0.1  # applied to weight matrices and embeddings only, not to biases or norms
     betas: tuple[float, float] = (0.9, 0.95)  # adamw only
+    eps: float = 1e-8  # adamw only: added to sqrt(v); a gradient below it moves its weight by less than lr
     momentum: float = 0.9  # sgd only
     warmup_steps: int = 20  # linear warmup from 0
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
@@ -198,7 +199,7 @@ class GPT(PipelineHooks, L.LightningModule):
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         if o.name == "adamw":
-            opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas))
+            opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
         elif o.name == "sgd":
             opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
         else:

@@ -30,8 +30,13 @@ def model_config(tied: bool = False) -> GPTConfig:
 
 
 def optim_config(opt: str = "sgd") -> OptimConfig:
-    """A constant learning rate (no warmup, no decay): the reference needs no scheduler."""
-    return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 1e-3, warmup_steps=0, min_lr_ratio=1.0)
+    """A constant learning rate (no warmup, no decay): the reference needs no scheduler. AdamW's eps is 1e-6, not
+    torch's 1e-8: its update lr * m / (sqrt(v) + eps) turns a gradient's rounding error into a weight change of up to
+    lr / eps times it where |gradient| <~ eps (the attention key biases' gradients are zero but for rounding, ~1e-11;
+    one LayerNorm bias has 2.6e-9 at step 1). At 1e-8 that is 1e5 x rounding: another CPU or thread count moves the
+    one-process reference alone by 2e-6. At 1e-6 it is 1e3 x, while a lost or mis-sharded AdamW state still
+    moves weights by ~lr = 1e-3, far outside the 1e-5 the resume test allows."""
+    return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 1e-3, warmup_steps=0, min_lr_ratio=1.0, eps=1e-6)
 
 
 def dataset() -> TensorDataset:

@@ -140,6 +140,7 @@ CHECKS = [  # (overrides, what the error must say)
     (["optim.warmup_steps=-1"], "optim.warmup_steps=-1"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2 must be in [0, 1]"),
     (["optim.betas=[0.9,1.5]"], "optim.betas=[0.9, 1.5] must be two numbers in [0, 1)"),
+    (["optim.eps=0"], "optim.eps=0 must be a number > 0"),
     (["optim=sgd", "optim.momentum=-0.5"], "optim.momentum=-0.5"),
     (["data.max_bytes=50"], "data.max_bytes=50 is too small: its training split (47 bytes) holds 0 windows"),
     (["data.max_bytes=2000"], "fewer than one batch of data.batch_size=32 (16 per data-parallel replica x 2)"),

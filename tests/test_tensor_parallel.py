@@ -85,7 +85,7 @@ def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | Non
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum) if opt == "sgd" else \
-        torch.optim.AdamW(groups, lr=o.lr, betas=o.betas)
+        torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
     losses = []
     for t in range(steps):
         x, y = run_tp.lightning_batches(batch, orders[t])[t]

@@ -158,3 +158,21 @@ def test_no_micro_batch_cap_and_exact_pruning():
     for c in cs[::7]:
         costs = candidate_costs(model, cluster, c)
         assert step_time_lower_bound(c, costs) <= simulate_candidate(model, cluster, c).step_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("top", [3, 8])
+def test_first_top_plans_are_the_true_best(top):
+    """The search skips candidates whose step-time bound cannot reach its `top`-th best so far: its first `top`
+    plans equal the best `top` of the same list built without skipping (every candidate simulated; a family's
+    slower memory-saving variants dropped once its fastest variant fits, as the search does)."""
+    from lightning_bfpp.sim.planner import _family, _fastest_variant
+
+    model, cluster = _load("gpt_small", "cpu_4")  # many near-equal layouts: pruning by the best alone lost some
+    for batch in (8, 32):
+        got = search(model, cluster, batch, top=top, **SPACE)[:top]
+        everything = [p for p in search(model, cluster, batch, top=0, include_unfit=True, **SPACE) if p.fits]
+        settled = {_family(p.candidate) for p in everything if _fastest_variant(p.candidate)}
+        kept = [p for p in everything if _family(p.candidate) not in settled or _fastest_variant(p.candidate)]
+        want = sorted((p.tokens_per_second_per_device for p in kept), reverse=True)[:top]
+        assert len(kept) > 3 * top, len(kept)  # the search had something to skip
+        assert [round(p.tokens_per_second_per_device, 6) for p in got] == [round(v, 6) for v in want], batch

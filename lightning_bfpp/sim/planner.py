@@ -3,6 +3,7 @@
 # simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s.
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -251,27 +252,33 @@ def search(
     for memory (more all-gathers and reduce-scatters, more bubble), so once a family's fastest variant (one
     group, no resharding, weights resident for the step) fits, its other variants are skipped; when it does
     not fit, every variant is simulated and the fastest fitting one wins. The top `top` plans are validated and
-    re-simulated with the comm-free pass (bubble, exposed comm). `space`: the search-space keywords of
+    re-simulated with the comm-free pass (bubble, exposed comm). A candidate is skipped unsimulated when its
+    step-time lower bound cannot reach the `top`-th best fitting plan so far, so the first `top` plans are the true
+    best `top` (the rest of the list is incomplete). `space`: the search-space keywords of
     `candidates` (schedules, loops, shardings, max_micro_batches, ...); `options` says how the runtime waits
     (e.g. `SimOptions(blocking_reduce=True)` on CPU).
     """
     plans: list[Plan] = []
     settled: set[tuple] = set()  # families whose fastest variant fits
-    best = 0.0  # tokens/s/device of the best fitting plan so far: candidates bounded below it are skipped
+    leaders: list[float] = []  # min-heap: tokens/s/device of the best `top` fitting plans so far
+    bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `top`
     for c in candidates(model, cluster, batch_size, **space):
         family = _family(c)
         if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
             continue
         costs = candidate_costs(model, cluster, c)
         if not include_unfit and (memory_lower_bound(c, costs) > cluster.usable_memory or
-                                  costs.tokens_per_step / step_time_lower_bound(c, costs) / (c.pipeline_parallel * c.tensor_parallel) < best):
+                                  costs.tokens_per_step / step_time_lower_bound(c, costs) / (c.pipeline_parallel * c.tensor_parallel) < bar):
             continue
         r = simulate(candidate_schedule(c), costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
         if fits and not include_unfit and _fastest_variant(c):
             settled.add(family)
         if fits:
-            best = max(best, r.tokens_per_second_per_device)
+            heapq.heappush(leaders, r.tokens_per_second_per_device)
+            if len(leaders) > max(top, 1):
+                heapq.heappop(leaders)
+            bar = leaders[0] if len(leaders) == max(top, 1) else 0.0
         if fits or include_unfit:
             plans.append(Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits))
     plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_second_per_device, 6), p.peak_memory,

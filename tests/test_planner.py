@@ -21,7 +21,7 @@ def _load(model: str, cluster: str, **override):
 
 
 BETAS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # sequences per GPU
-SPACE = dict(loops=(1, 3), max_micro_batches=4, max_groups=2)
+SPACE = dict(loops=(1, 2, 3), max_micro_batches=4, max_groups=2)  # 2: pp=4 looped (10 layers)
 
 
 def _fixed_best(model, cluster, batch, name):

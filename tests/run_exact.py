@@ -39,6 +39,7 @@ class Record(Callback):
         self.cfg = cfg or {}
         self.tied_history: dict[str, list[torch.Tensor]] = {}
         self.losses: list[float] = []
+        self.skipped: list[float | None] = []  # the logged skipped_batches after each step (None: not logged yet)
         self.grad_dtypes: dict[str, str] = {}
         self.trace = trace
         self.events: list[tuple[str, int]] = []
@@ -89,6 +90,8 @@ class Record(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._on = False
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        skipped = trainer.callback_metrics.get("skipped_batches")
+        self.skipped.append(None if skipped is None else float(skipped))
         if self.cfg.get("tied"):  # this rank's copies of the tied matrix after every step
             for name, p in pl_module.named_parameters():
                 if name in ("embed.weight", "unembed.weight"):
@@ -169,7 +172,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
-        {"params": params, "local_shapes": local, "losses": record.losses, "tied_history": record.tied_history, "stats": strategy.step_stats,
+        {"params": params, "local_shapes": local, "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history, "stats": strategy.step_stats,
          "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes), **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
                                                        strategy.schedule.fsdp_actions(strategy.device_mesh["pipeline_parallel"].get_local_rank())]},
         out / f"rank{trainer.global_rank}.pt",

@@ -122,4 +122,5 @@ def test_nonfinite_loss_skip_drops_that_batch(tmp_path):
     got = {n: t for r in ranks for n, t in r["params"].items()}
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
     assert all(torch.isnan(torch.tensor(r["losses"][1])) for r in ranks)
+    assert all(r["skipped"][:2] == [None, 1.0] for r in ranks), [r["skipped"] for r in ranks]  # logged on the skip
     assert [r["losses"][i] for r in ranks for i in (0, 2, 3)] == pytest.approx([losses[i] for _ in ranks for i in (0, 2, 3)], abs=1e-6)

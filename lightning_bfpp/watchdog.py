@@ -30,7 +30,10 @@ def say_stop(rank: int, reason: str) -> str:
     """Print why the job stops as one write of one line, so ranks sharing a terminal or pipe never interleave."""
     message = f"[rank {rank}] bfpp: the job stops because {reason}"
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), (message + "\n").encode())  # one write under PIPE_BUF is atomic
+    try:
+        os.write(sys.stderr.fileno(), (message + "\n").encode())  # one write under PIPE_BUF is atomic
+    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (e.g. a notebook's)
+        print(message, file=sys.stderr, flush=True)
     return message
 
 

@@ -260,8 +260,9 @@ def search(
     """
     plans: list[Plan] = []
     settled: set[tuple] = set()  # families whose fastest variant fits
-    leaders: list[float] = []  # min-heap: tokens/s/device of the best `top` fitting plans so far
-    bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `top`
+    keep = max(top, 1)
+    leaders: list[float] = []  # min-heap: tokens/s/device of the best `keep` fitting plans so far
+    bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `keep`
     for c in candidates(model, cluster, batch_size, **space):
         family = _family(c)
         if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
@@ -276,9 +277,9 @@ def search(
             settled.add(family)
         if fits:
             heapq.heappush(leaders, r.tokens_per_second_per_device)
-            if len(leaders) > max(top, 1):
+            if len(leaders) > keep:
                 heapq.heappop(leaders)
-            bar = leaders[0] if len(leaders) == max(top, 1) else 0.0
+            bar = leaders[0] if len(leaders) == keep else 0.0
         if fits or include_unfit:
             plans.append(Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits))
     plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_second_per_device, 6), p.peak_memory,

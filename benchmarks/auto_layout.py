@@ -61,17 +61,25 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             picks.append(res["rank0"]["layout"])
             startup.append(res["rank0"]["startup_s"])
             assert all(r["layout"] == res["rank0"]["layout"] for r in res.values()), "ranks picked different layouts"
-    best = max((k for k in speed if k != "auto"), key=lambda k: statistics.median(speed[k]))
-    per_round_max = [max(speed[k][i] for k in speed if k != "auto") for i in range(rounds)]
+    hand_labels = [k for k in speed if k != "auto"]
+    best = max(hand_labels, key=lambda k: statistics.median(speed[k]))
+    per_round_max = [max(speed[k][i] for k in hand_labels) for i in range(rounds)]
+    # The best median of many near-tied noisy layouts is biased upward (a max over noise). Held out: in each round,
+    # the hand-set layout that is best over the OTHER rounds, timed in this round (leave-one-out selection).
+    held_out = [max(hand_labels, key=lambda k: statistics.median(speed[k][:i] + speed[k][i + 1:])) for i in range(rounds)]
     hand_startup = [r["rank0"]["startup_s"] for j, r in zip(jobs, results) if not j.get("auto")]
     return {"setting": {"model": model, "batch": batch, "rounds": rounds, "steps": steps, "warmup": warmup,
                         "processes": devices, "threads_per_process": 1, "grid_size": len(hand), "quick": quick,
                         "timed": "step period (batch start -> next batch start), steps warmup..steps-2"},
             "ratio": summarize([a / b for a, b in zip(speed["auto"], speed[best])]),  # auto ÷ best-median layout
             "ratio_vs_round_max": summarize([a / b for a, b in zip(speed["auto"], per_round_max)]),
+            "ratio_held_out": summarize([speed["auto"][i] / speed[k][i] for i, k in enumerate(held_out)])
+            if rounds > 1 else None,
+            "held_out_layouts": held_out,
             "best_hand_layout": best, "auto_picks": picks,
             "startup_s": {"auto": summarize(startup), "hand": summarize(hand_startup)},
-            "samples_per_s": {k: summarize(v) for k, v in sorted(speed.items(), key=lambda kv: -statistics.median(kv[1]))}}
+            "samples_per_s": {k: summarize(v) for k, v in sorted(speed.items(), key=lambda kv: -statistics.median(kv[1]))},
+            "samples_per_s_per_round": speed}
 
 
 def _launch(out: Path, devices: int, jobs: list[dict], timeout: float = 7200) -> list[dict]:
@@ -112,7 +120,8 @@ def _fit(job: dict, devices: int) -> dict:
         strategy = BFPPStrategy(layout=AutoLayout(sample=sample), global_batch_size=job["batch"])
     else:
         strategy = BFPPStrategy(pipeline_parallel=job["pp"], loops=job["loops"], micro_batches=job["m"],
-                                schedule=job["schedule"], global_batch_size=job["batch"])
+                                schedule=job["schedule"], global_batch_size=job["batch"],
+                                measure_every_n_steps=job.get("measure"))
     probe = w.Probe(count_activations=False)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=job["steps"], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

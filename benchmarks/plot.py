@@ -69,10 +69,10 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_title("P5 peak saved activations per schedule")
     ax = axes[0][2]
     ax.axis("off")
-    lines = ["goal                      value   met"]
+    lines = ["goal                         value   met"]
     for key, g in summary.get("goals", {}).items():
         value = "—" if g["value"] is None else f"{g['value']:.3f}"
-        lines.append(f"{key:<22} {g['goal']:>7}  {value:>6}  {'' if g['met'] is None else ('yes' if g['met'] else 'NO')}")
+        lines.append(f"{key:<25} {g['goal']:>7}  {value:>6}  {'' if g['met'] is None else ('yes' if g['met'] else 'NO')}")
     fs = summary.get("fsdp_comparison")
     if fs:
         lines += ["", "vs Lightning FSDP2 (dp=2), bfpp / FSDP:",

@@ -77,7 +77,9 @@ def tables(s: dict) -> str:
                    f"{st['processes']} processes, {st['grid_size']} layouts{' (quick subset)' if st['quick'] else ''}, "
                    f"{st['rounds']} rounds; samples/s, median (min–max))\n")
         out.append(f"auto ÷ best hand-set layout ({a['best_hand_layout']}): **{fmt(a['ratio'])}**; auto ÷ the fastest "
-                   f"layout of each round: {fmt(a['ratio_vs_round_max'])}; start-up (fit to first batch) auto "
+                   f"layout of each round: {fmt(a['ratio_vs_round_max'])}"
+                   + (f"; auto ÷ the layout best over the other rounds (held out): {fmt(a['ratio_held_out'])}"
+                      if a.get("ratio_held_out") else "") + "; start-up (fit to first batch) auto "
                    f"{fmt(a['startup_s']['auto'], 2)} s, hand-set {fmt(a['startup_s']['hand'], 2)} s\n")
         picks = sorted({json.dumps(p, sort_keys=True) for p in a["auto_picks"]})
         out.append("auto's picks: " + "; ".join(f"`{p}`" for p in picks) + "\n")

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
 from .runtime.instrument import MEMORY_KEYS
@@ -37,9 +38,13 @@ class PipelineMetrics(Callback):
     """Logs per step: `tokens_per_s`, `step_s`, `model_flops_per_s`, `mfu` (when `peak_flops` is given),
     `bubble_fraction`, `compute_s` and `mem/<kind>_max` (max over ranks) from `strategy.step_stats`.
 
+    The rates and MFU are Lightning's ``Throughput`` over each step (a window of two updates), fed with the job's
+    totals (tokens and samples of all data-parallel replicas, the step's FLOPs), so they are the job's, not one device's.
+
     Args:
         flops_per_token: training FLOPs per token of the model (forward + backward); None: no FLOP/s.
-        peak_flops: peak FLOP/s of ONE device; MFU = model FLOP/s / (peak_flops * world_size).
+        peak_flops: peak FLOP/s of ONE device; MFU = model FLOP/s / (peak_flops * world_size). None: what Lightning
+            knows for the device and precision (``get_available_flops``: common NVIDIA GPUs and TPUs; none on CPUs).
         out_dir: where `summary.json` (and `schedule.png`) go; None: not written.
         summary_extra: constant entries added to summary.json (e.g. the config's schedule settings).
         log_schedule: draw the strategy's schedule once and log it (W&B image, file in out_dir).
@@ -65,6 +70,8 @@ class PipelineMetrics(Callback):
         self.history: list[dict[str, float]] = []
         self.last_val_step: int | None = None
         self._t0 = 0.0
+        self._throughput: Throughput | None = None  # made in on_train_start, when the devices are known
+        self._totals = {"time": 0.0, "batches": 0, "samples": 0, "lengths": 0}  # the job's, summed over steps
 
     # ---- per step ----
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -76,11 +83,7 @@ class PipelineMetrics(Callback):
         dp = getattr(strategy, "data_parallel", None) or trainer.world_size
         inputs, _ = pl_module.pipeline_inputs(batch) if hasattr(pl_module, "pipeline_inputs") else batch
         tokens = inputs.numel() * dp  # every data-parallel replica processes a different slice of the batch
-        row = {"tokens_per_s": tokens / step_s, "step_s": step_s}
-        if self.flops_per_token:
-            row["model_flops_per_s"] = row["tokens_per_s"] * self.flops_per_token
-            if self.peak_flops:
-                row["mfu"] = row["model_flops_per_s"] / (self.peak_flops * trainer.world_size)
+        row = {"step_s": step_s, **self._rates(trainer, step_s, tokens, inputs.shape[0] * dp)}
         # only a measured step's numbers (bfpp measures on logging steps by default: measure_every_n_steps)
         stats = getattr(strategy, "step_stats", None) if getattr(strategy, "measured_step", True) else None
         if stats:
@@ -100,6 +103,33 @@ class PipelineMetrics(Callback):
         self.history.append({"step": trainer.global_step, **row, **({"train_loss": loss} if loss is not None else {})})
         if self.validate_at_end and 0 < trainer.max_steps <= trainer.global_step:
             trainer.should_stop = True  # the epoch loop validates when asked to stop (see _should_check_val_fx)
+
+    def _rates(self, trainer: L.Trainer, step_s: float, tokens: int, samples: int) -> dict[str, float]:
+        """tokens_per_s, model_flops_per_s and mfu of this step (Lightning's Throughput over the job's totals)."""
+        if self._throughput is None:
+            self._throughput = self._new_throughput(trainer)
+        totals = self._totals
+        totals.update(time=totals["time"] + step_s, batches=totals["batches"] + 1,
+                      samples=totals["samples"] + samples, lengths=totals["lengths"] + tokens)
+        flops = tokens * self.flops_per_token if self.flops_per_token else None
+        self._throughput.update(**totals, flops=flops)
+        rates = self._throughput.compute()
+        row = {"tokens_per_s": rates["device/items_per_sec"]}
+        if "device/flops_per_sec" in rates:
+            row["model_flops_per_s"] = rates["device/flops_per_sec"]
+        if "device/mfu" in rates:
+            row["mfu"] = rates["device/mfu"]
+        return row
+
+    def _new_throughput(self, trainer: L.Trainer) -> Throughput:
+        """One 'device' standing for the whole job: its peak is the sum over the world's devices."""
+        peak = self.peak_flops
+        if peak is None and self.flops_per_token:
+            dtype = torch.bfloat16 if str(trainer.precision).startswith("bf16") else torch.float32
+            peak = get_available_flops(trainer.strategy.root_device, dtype)
+        throughput = Throughput(available_flops=peak * trainer.world_size if peak else None, window_size=2)
+        throughput.update(**self._totals, flops=0 if self.flops_per_token else None)  # the window's start
+        return throughput
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:

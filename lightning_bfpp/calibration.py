@@ -39,6 +39,34 @@ def robust(samples: list[tuple[float, float]], max_wait: float) -> tuple[float, 
     return times[len(times) // 4], len(clean)
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _links(comm: dict, world: int, nbytes: int, max_wait: float) -> dict[str, float]:
+    """Gloo's links from the ping-pong and collective samples: one-way latency, p2p bandwidth, ring bandwidths."""
+    lat = robust(comm["ping_pong_small"], max_wait)[0] / 2  # one way
+    p2p = robust(comm["ping_pong_big"], max_wait)[0] / 2
+    ring = {}
+    for key in ("all_gather", "reduce_scatter"):
+        s = robust(comm[key], max_wait)[0]
+        # ring_time(full, world, bw, lat) = (w-1)/w * full / bw + (w-1) * lat  ->  solve for bw
+        ring[key] = (world - 1) / world * world * nbytes / max(s - (world - 1) * lat, 1e-9)
+    return {"latency": lat, "p2p_s": p2p, "p2p_bw": nbytes / max(p2p - lat, 1e-9), "ring": ring}
+
+
+def _runtime(pipe: dict, real: dict, grad_scale: float, links: dict, message: float) -> dict[str, float]:
+    """The pipelining runtime's own costs from its timed actions (``pipe``: ~zero-FLOP stages, ``real``: blocks)."""
+    in_action = _median(pipe["durations"])  # a ~zero-FLOP action: all of it is the runtime's bookkeeping
+    gap, delay = _median(real["gaps"]), _median(real["delays"])  # around real blocks (freeing graphs, bigger grads)
+    return {"action_inside": in_action, "action_gap": gap, "p2p_delay": delay, "step_ends": _median(real["ends"]),
+            "overhead": in_action + gap,  # the simulator folds the host gap after an action into the action
+            # what a waiting consumer sees after the producer's action and its host gap, beyond the bytes on the wire
+            "p2p_latency": max(delay - gap - message / links["p2p_bw"], links["latency"]),
+            # fixed cost per step and rank (micro-batch split, last sends, losses), beyond the gradient scaling
+            "step_overhead": max(_median(real["ends"]) - grad_scale * real["params"][0], 0.0)}
+
+
 def summarize(raw: list[dict], model_cfg: dict, *, micro_batch_size: int, threads: int, nbytes: int,
               max_wait: float) -> dict:
     """Cluster-yaml numbers from the raw samples of all processes."""
@@ -53,46 +81,31 @@ def summarize(raw: list[dict], model_cfg: dict, *, micro_batch_size: int, thread
         clean[key] = n
         return value
 
-    layers = {}
-    for name in ("embedding", "block", "head"):
-        layers[name] = [pooled(f"{name}.{d}", lambda r, n=name, d=d: r["layers"][n][d]) for d in ("forward", "backward")]
+    layers = {name: [pooled(f"{name}.{d}", lambda r, n=name, d=d: r["layers"][n][d]) for d in ("forward", "backward")]
+              for name in ("embedding", "block", "head")}
     solo = [robust(raw[0]["block_solo"][d], max_wait)[0] for d in ("forward", "backward")]
     one_stage = pooled("one_stage_overhead", lambda r: r["overhead"])
     pipe, real = raw[0]["pipeline"], raw[0]["pipeline_block"]
     clean.update({f"pipeline.{k}": len(v) for k, v in pipe.items() if k != "params"})
     clean.update({f"pipeline_block.{k}": len(v) for k, v in real.items() if k != "params"})
-    med = lambda v: statistics.median(v) if v else 0.0  # noqa: E731
-    in_action = med(pipe["durations"])  # a ~zero-FLOP action: all of it is the runtime's bookkeeping
-    gap, delay = med(real["gaps"]), med(real["delays"])  # around real blocks (freeing graphs, bigger grads)
-    overhead = in_action + gap  # the simulator folds the host gap after an action into the action
     grad_scale = pooled("grad_scale", lambda r: r["grad_scale"])
-    comm = raw[0]["comm"]
-    lat = robust(comm["ping_pong_small"], max_wait)[0] / 2  # one way
-    p2p = robust(comm["ping_pong_big"], max_wait)[0] / 2
-    p2p_bw = nbytes / max(p2p - lat, 1e-9)
+    links = _links(raw[0]["comm"], world, nbytes, max_wait)
     message = 4 * micro_batch_size * model_cfg["block_size"] * model_cfg["n_embd"]  # fp32 activation
-    # what a waiting consumer sees after the producer's action and its host gap, beyond the bytes on the wire
-    p2p_latency = max(delay - gap - message / p2p_bw, lat)
-    # fixed cost per step and rank (micro-batch split, last sends, losses), beyond the gradient scaling
-    step_overhead = max(med(real["ends"]) - grad_scale * real["params"][0], 0.0)
-    ring = {}
-    for key, full in (("all_gather", world * nbytes), ("reduce_scatter", world * nbytes)):
-        s = robust(comm[key], max_wait)[0]
-        # ring_time(full, world, bw, lat) = (w-1)/w * full / bw + (w-1) * lat  ->  solve for bw
-        ring[key] = (world - 1) / world * full / max(s - (world - 1) * lat, 1e-9)
+    run = _runtime(pipe, real, grad_scale, links, message)
     block_flops = Model.from_dict(model_cfg).layer_forward_flops()[1] * micro_batch_size * model_cfg["block_size"]
     fwd, bwd = layers["block"]
+    g = lambda v: float(f"{v:.4g}")  # noqa: E731  (4 significant digits in the yaml)
     cluster = {
-        "achieved_flops": float(f"{block_flops / fwd:.4g}"),
+        "achieved_flops": g(block_flops / fwd),
         "backward_factor": round(bwd / fwd, 3),
-        "compute_overhead": float(f"{overhead:.4g}"),
-        "grad_scale_time_per_param": float(f"{grad_scale:.4g}"),
-        "step_overhead": float(f"{step_overhead:.4g}"),
-        "intra_node_bandwidth": float(f"{p2p_bw:.4g}"),
-        "inter_node_bandwidth": float(f"{p2p_bw:.4g}"),
-        "collective_bandwidth": float(f"{min(ring.values()):.4g}"),
-        "latency": float(f"{lat:.4g}"),
-        "p2p_latency": float(f"{p2p_latency:.4g}"),
+        "compute_overhead": g(run["overhead"]),
+        "grad_scale_time_per_param": g(grad_scale),
+        "step_overhead": g(run["step_overhead"]),
+        "intra_node_bandwidth": g(links["p2p_bw"]),
+        "inter_node_bandwidth": g(links["p2p_bw"]),
+        "collective_bandwidth": g(min(links["ring"].values())),
+        "latency": g(links["latency"]),
+        "p2p_latency": g(run["p2p_latency"]),
         "layer_times": {
             "model": {k: int(model_cfg[k]) for k in SHAPE_KEYS},
             "micro_batch_size": int(micro_batch_size),
@@ -101,9 +114,10 @@ def summarize(raw: list[dict], model_cfg: dict, *, micro_batch_size: int, thread
             **{name: [float(f"{v:.5g}") for v in fb] for name, fb in layers.items()},
         },
     }
-    info = {"step_ends": med(real["ends"]), "one_stage_overhead": one_stage, "action_inside": in_action, "action_gap": gap, "p2p_delay": delay,
-            "block_solo": solo, "clean_samples": clean, "ring_bandwidth": ring, "p2p_s": p2p,
-            "check_ring_time": ring_time(world * nbytes, world, cluster["collective_bandwidth"], lat)}
+    info = {"step_ends": run["step_ends"], "one_stage_overhead": one_stage, "action_inside": run["action_inside"],
+            "action_gap": run["action_gap"], "p2p_delay": run["p2p_delay"], "block_solo": solo, "clean_samples": clean,
+            "ring_bandwidth": links["ring"], "p2p_s": links["p2p_s"],
+            "check_ring_time": ring_time(world * nbytes, world, cluster["collective_bandwidth"], links["latency"])}
     return {"cluster": cluster, "info": info}
 
 

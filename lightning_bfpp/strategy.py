@@ -26,7 +26,7 @@ from .lightning_private import (SubprocessScriptLauncher, materialize_distribute
                                 process_group_timeout, set_module_device_mesh, unwrap_optimizer)
 from .measure import check_every_n_steps, measure_now, step_stats
 from .nonfinite import NonfiniteLoss
-from .parallel import DP, PP, TP, build_mesh, clip_grad_norm_global, share_from_ranks
+from .parallel import DP, PP, TP, build_mesh, clip_grad_norm_global, forget_groups, share_from_ranks
 from .partition import check_layout, plan_stages
 from .precision import pipeline_precision
 from .resume import skip_consumed_batches
@@ -283,7 +283,9 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Name the rank that failed first, on every rank (see ``lightning_bfpp.job``)."""
+        """Name the rank that failed first, on every rank (see ``lightning_bfpp.job``); a later run in this process
+        builds new process groups (these may hold a broken collective)."""
+        forget_groups()
         self._job.on_exception(exception)
 
     @override

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .parallel import local_tensor
+from .parallel import local_tensor, shared_group
 
 
 def find_shared_weights(layers_by_name: dict[str, nn.Module], stage_names: Sequence[Sequence[str]]) -> list[dict[int, str]]:
@@ -77,7 +77,7 @@ class TiedWeights:
         mine = None
         for d in range(data_parallel):  # new_group is collective: every rank creates every group, same order
             ranks = [r * data_parallel + d for r in pipeline_ranks]
-            group = dist.new_group(ranks, timeout=timeout)
+            group = shared_group(ranks, timeout)
             if global_rank in ranks:
                 mine = group
         return mine

@@ -17,6 +17,10 @@ from procenv import free_port
 WORLD = 4
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def _worker(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
@@ -32,6 +36,12 @@ def _worker(rank: int, port: int, out: dict) -> None:
             t = torch.ones(())
             dist.all_reduce(t, group=ours[names[-1]].get_group())  # the groups work
             found[(pp, tp, "sum")] = t.item()
+        again = build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=60))  # a later run's mesh: the same groups
+        found["reused"] = again is build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=60))
+        threads = _threads()
+        for _ in range(5):
+            build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=60))
+        found["new_threads"] = _threads() - threads
         mesh = build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=2))
         if rank == 0:  # rank 1 (its data-parallel peer) never joins: the all-reduce must fail after ~2 s, not 30 min
             start = time.monotonic()
@@ -58,3 +68,5 @@ def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
                 assert rank in dims[0][0]
         assert out[rank][(2, 2, "sum")] == 2.0 and out[rank][(1, 2, "sum")] == 2.0
     assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]
+    # building the same layout again (every Trainer run does) creates no new groups, so no new gloo threads
+    assert all(out[r]["reused"] and out[r]["new_threads"] == 0 for r in range(WORLD)), dict(out)

@@ -16,7 +16,7 @@ from torch import nn
 from .runtime.layer_cost import measure_layer_times, time_balanced_layout
 from .schedule import SCHEDULES, ScheduleSpec
 from .schedule.dims import LayoutError, ParallelDims, divisors
-from .sim import Cluster, Layers, SimOptions, build_costs, simulate
+from .sim import Cluster, Layers, SimOptions, WireBytes, build_costs, simulate
 from .sim.planner import DEFAULT_LOOPS, Candidate, Plan, candidate_schedule, search
 
 # the knobs layout="auto" chooses (BFPPStrategy's argument names); any the user sets is pinned
@@ -80,10 +80,11 @@ def _rows(value: Any) -> int:
 
 
 def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target: Any, device: torch.device,
-                   repeats: int = 3) -> Layers:
+                   repeats: int = 3, precision: str = "32-true") -> Layers:
     """`Layers` of this model per sample of `inputs` (one micro-batch): the fastest forward+backward seconds of
     each layer (split 1:2 into forward and backward), its parameters, and the bytes it saves for backward
-    (``saved_tensors_hooks``, parameters excluded), so the planner scales them to any micro-batch size."""
+    (``saved_tensors_hooks``, parameters excluded), so the planner scales them to any micro-batch size; what the
+    step moves per weight, gradient and message element is `precision`'s (``sim.WireBytes.for_precision``)."""
     rows = _rows(inputs)
     owner = {p.data_ptr() for p in module.parameters()}
     saved = [0.0] * len(layers)
@@ -117,7 +118,7 @@ def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target
                   forward_flops=(0.0,) * len(layers),
                   activation_bytes=tuple(b / passes / rows for b in saved),
                   seq=seq, width=width,
-                  times=tuple((t / rows / 3, 2 * t / rows / 3) for t in times))
+                  times=tuple((t / rows / 3, 2 * t / rows / 3) for t in times), wire=WireBytes.for_precision(precision))
 
 
 def _matches(c: Candidate, pinned: Mapping[str, Any]) -> bool:
@@ -240,10 +241,10 @@ def _same_everywhere(values: list[float], device: torch.device, op: str) -> list
 
 def decide(module: Any, layers: Sequence[nn.Module], inputs: Any, target: Any, device: torch.device, *, world: int,
            devices_per_node: int, global_batch: int, pinned: Mapping[str, Any], settings: AutoLayout,
-           stage_count: int | None = None) -> tuple[ScheduleSpec, str, list[int], str]:
+           stage_count: int | None = None, precision: str = "32-true") -> tuple[ScheduleSpec, str, list[int], str]:
     """The layout, identical on every rank: each rank measures, the per-layer numbers are min-reduced (the least
     disturbed sample), every rank plans, and rank 0's pick is broadcast. Returns (spec, sharding, cut, report)."""
-    measured = measure_layers(module, layers, inputs, target, device, settings.repeats)
+    measured = measure_layers(module, layers, inputs, target, device, settings.repeats, precision)
     n = len(measured)
     flat = [t for fb in measured.times or () for t in fb] + list(measured.activation_bytes)
     flat = _same_everywhere(flat, device, "min")

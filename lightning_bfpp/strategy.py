@@ -268,7 +268,7 @@ class BFPPStrategy(ModelParallelStrategy):
         spec, sharding, cut, line = decide(
             module, layers, inputs, target, self.root_device, world=self.world_size, devices_per_node=self.num_processes,
             global_batch=self.global_batch_size, pinned=self.pinned, settings=self.auto_layout,
-            stage_count=len(self.stage_layers) if explicit else None)
+            stage_count=len(self.stage_layers) if explicit else None, precision=self._precision)
         self.dims = dataclasses.replace(self.dims, spec=spec, sharding=sharding)
         self._train_schedule = build_schedule(spec)
         self.stage_layers = self.stage_layers if explicit else cut  # "auto"/None: cut by the measured times

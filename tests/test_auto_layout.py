@@ -18,6 +18,7 @@ from lightning_bfpp.schedule import ScheduleError
 from lightning_bfpp.runtime.layer_cost import time_balanced_layout
 from lightning_bfpp.schedule.dims import LayoutError, ParallelDims
 from lightning_bfpp.schedule.layout import balanced_layout
+from lightning_bfpp.sim import WireBytes
 from lightning_bfpp.sim import Layers
 
 CPU = torch.device("cpu")
@@ -135,6 +136,9 @@ def test_measure_layers_is_per_sample():
     assert all(v > 0 for v in a.activation_bytes) and a.activation_bytes == pytest.approx(b.activation_bytes)
     assert len(a.times) == 4 and all(f > 0 and bwd > 0 for f, bwd in a.times)
     assert a.seq * a.width == 16  # a block's output: 16 elements per sample cross a stage boundary
+    assert a.wire == WireBytes(4, 4, 4)  # a 32-true run moves fp32 weights, gradients and messages
+    mixed = measure_layers(model, model.pipeline_layers(), x[:4], y[:4], CPU, repeats=1, precision="bf16-mixed")
+    assert mixed.wire == WireBytes(weights=2, grads=4, messages=2)
 
 
 def test_app_schedule_layout_auto_pins_what_was_typed():

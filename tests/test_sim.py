@@ -1,10 +1,12 @@
 # Simulator: closed-form bubbles, the model's comm/compute pieces, memory ordering of the schedules.
+import dataclasses
 import itertools
 
 import pytest
 
 from lightning_bfpp.schedule import ScheduleError, ScheduleSpec, build_schedule
-from lightning_bfpp.sim import MEGATRON, Cluster, Model, SimOptions, build_costs, evaluate, ring_time, simulate, unit_costs
+from lightning_bfpp.sim import (MEGATRON, Cluster, Model, SimOptions, WireBytes, build_costs, evaluate, ring_time, simulate,
+                               unit_costs)
 
 GRID = [
     (name, pp, loops, m)
@@ -93,6 +95,31 @@ def test_cost_model_pieces():
     none = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=2,
                        micro_batches=4, sharding="none")
     assert none.stages[0].unshard == 0 and none.stages[0].reduce == pytest.approx(2 * intra.stages[0].reduce)
+
+
+def test_wire_bytes_follow_the_runs_precision():
+    """FSDP moves what the run holds: a 32-true run gathers and reduces fp32 (twice the bf16 regime's time and
+    gathered-weight bytes), bf16-mixed gathers bf16 and reduces fp32 (parallel.stage_mixed_precision)."""
+    model = Model(n_layer=4, n_head=4, n_embd=64, seq=32, vocab=256)
+    cluster = Cluster(devices=4, num_nodes=1, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
+
+    def costs(precision=None):
+        layers = model.layers(cluster)
+        if precision:
+            layers = dataclasses.replace(layers, wire=WireBytes.for_precision(precision))
+        return build_costs(layers, cluster, pipeline_parallel=2, loops=1, data_parallel=2, micro_batch_size=2,
+                           micro_batches=4)
+
+    bf16, fp32, mixed = costs(), costs("32-true"), costs("bf16-mixed")
+    assert costs("bf16-true").stages[0] == bf16.stages[0]  # the default is the paper's bf16 regime
+    for st16, st32, stm in zip(bf16.stages, fp32.stages, mixed.stages):
+        assert (st32.unshard, st32.reduce) == pytest.approx((2 * st16.unshard, 2 * st16.reduce))
+        assert (stm.unshard, stm.reduce) == pytest.approx((st16.unshard, 2 * st16.reduce))
+    assert fp32.p2p[(0, 1)] == pytest.approx(2 * bf16.p2p[(0, 1)])  # fp32 messages (latency 0)
+    sched = build_schedule(ScheduleSpec("gpipe", pipeline_parallel=2, micro_batches=4))
+    peaks = [simulate(sched, c).memory[0].category_peak for c in (bf16, fp32)]
+    assert peaks[1]["weights"] == pytest.approx(2 * peaks[0]["weights"])
+    assert peaks[1]["gradients"] == pytest.approx(2 * peaks[0]["gradients"])
 
 
 def _activation_peak(name, loops, groups=1, pp=4, m=16):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..schedule.layout import balanced_layout
-from .model import ACT_BYTES, Layers, Model
+from .model import Layers, Model
 
 # Bytes per parameter (mixed precision, Adam): fp32 master (4) + fp32 grad (4) + Adam m, v (8) held per
 # rank (divided by dp under full sharding), plus bf16 compute weights (2) while a stage is gathered and a
@@ -137,6 +137,8 @@ class StageCost:
     reduce_host: float = 0.0  # host seconds at REDUCE_GRAD (1/m gradient scaling), not communication
     workspace: float = 0.0  # transient bytes while one of its backwards runs
     inter_node: bool = False  # its dp collectives cross nodes (they share the rank's network interface)
+    weight_bytes: int = WEIGHT_BYTES  # per parameter of its gathered weights
+    grad_bytes: int = GRAD_BYTES  # per parameter of its unsharded gradient
 
 
 @dataclass
@@ -161,7 +163,8 @@ class Costs:
     def without_comm(self) -> Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
         stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host,
-                            workspace=s.workspace) for s in self.stages]
+                            workspace=s.workspace, weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes)
+                  for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
                      self.flops_per_token, self.step_overhead, self.tensor_parallel)
 
@@ -184,14 +187,15 @@ def build_costs(
     micro_batches: int,
     sharding: str = "full",
     stage_layers: Sequence[int] | None = None,
-    activation_bytes: int = ACT_BYTES,
+    activation_bytes: int | None = None,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
 ) -> Costs:
     """Per-stage costs of `model` (its `Layers`, or a transformer `Model` that describes them) cut into
     pipeline_parallel*loops stages on a (pp, dp, tp) mesh of `cluster`.
 
-    `activation_bytes`: bytes per element of the p2p activations/gradients (2: bf16, 4: a 32-true run).
+    `activation_bytes`: bytes per element of the p2p activations/gradients (None: the layers' `wire.messages`; 2:
+    bf16, 4: a 32-true run). FSDP collectives move the layers' `wire.weights` / `wire.grads` bytes per parameter.
     NOTE: ranks are laid out as (pp, dp, tp) with tp innermost: global rank = (p * dp + d) * tp + t, so a tp
     group is one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
     Tensor-parallel collectives run on the in-node links on the compute's critical path (as the runtime's);
@@ -221,7 +225,8 @@ def build_costs(
     tokens = micro_batch_size * layers.seq
     # with sequence parallel the stage-boundary activation is split over tp along the sequence (the next
     # layer norm runs on the shard), so each tp rank sends its 1/tp; without it every tp rank sends it whole
-    message = activation_bytes * tokens * layers.width / (tp if sequence_parallel and tp > 1 else 1)
+    element = layers.wire.messages if activation_bytes is None else activation_bytes
+    message = element * tokens * layers.width / (tp if sequence_parallel and tp > 1 else 1)
     p2p, inter_links = _p2p_links(cluster, pp, dp, tp, message)
     return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
                  cluster.step_overhead, tp, inter_links)
@@ -244,18 +249,20 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: in
     bwd_tp = sum(tp_bwd[i] for i in span) + recompute * fwd_tp
     group = [(rank * dp + d) * tp for d in range(dp)]
     bw, lat = cluster.group_bandwidth(group), cluster.latency
-    gather = ring_time(WEIGHT_BYTES * p, dp, bw, lat) if sharding == "full" else 0.0
-    if sharding == "full":  # bf16 reduce-scatter
-        reduce = ring_time(GRAD_BYTES * p, dp, bw, lat)
-    elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, bf16 all-gather of updated params
-        reduce = ring_time(4 * p, dp, bw, lat) + ring_time(WEIGHT_BYTES * p, dp, bw, lat)
-    else:  # bf16 all-reduce
-        reduce = 2 * ring_time(GRAD_BYTES * p, dp, bw, lat)
+    wire = layers.wire
+    gather = ring_time(wire.weights * p, dp, bw, lat) if sharding == "full" else 0.0
+    if sharding == "full":  # reduce-scatter (bf16 in the paper's regime)
+        reduce = ring_time(wire.grads * p, dp, bw, lat)
+    elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, all-gather of updated params
+        reduce = ring_time(4 * p, dp, bw, lat) + ring_time(wire.weights * p, dp, bw, lat)
+    else:  # all-reduce
+        reduce = 2 * ring_time(wire.grads * p, dp, bw, lat)
     work = max(layers.workspace[i] for i in span) * mbs if layers.workspace else 0.0
     return StageCost(fwd + fwd_tp + cluster.overhead, bwd + bwd_tp + cluster.overhead, p,
                      sum(layers.activation_bytes[i] for i in span) * mbs, gather, reduce,
                      reduce_host=cluster.grad_scale * p, workspace=work,
-                     inter_node=len({r // cluster.devices for r in group}) > 1)
+                     inter_node=len({r // cluster.devices for r in group}) > 1, weight_bytes=wire.weights,
+                     grad_bytes=wire.grads)
 
 
 def _p2p_links(cluster: Cluster, pp: int, dp: int, tp: int, message: float) -> tuple[dict, frozenset]:

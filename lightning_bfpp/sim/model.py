@@ -13,6 +13,27 @@ ACT_BYTES = 2  # bf16 activations and p2p messages
 
 
 @dataclass(frozen=True)
+class WireBytes:
+    """Bytes per element of what a step moves: FSDP's gathered weights, its reduced gradients, the pipeline's
+    stage-boundary messages. The default is the paper's regime (bf16 everywhere); ``for_precision`` gives what the
+    runtime moves under a Lightning precision (``parallel.stage_mixed_precision``)."""
+
+    weights: int = 2
+    grads: int = 2
+    messages: int = ACT_BYTES
+
+    @classmethod
+    def for_precision(cls, precision: str) -> WireBytes:
+        """"bf16-mixed": bf16 gathers and messages, fp32 gradient reduction (FSDP2's reduce_dtype); "bf16-true": bf16
+        throughout; "64-true": fp64; any other (e.g. "32-true"): fp32 throughout."""
+        if precision == "bf16-mixed":
+            return cls(2, 4, 2)
+        if precision == "bf16-true":
+            return cls(2, 2, 2)
+        return cls(8, 8, 8) if str(precision).startswith("64") else cls(4, 4, 4)
+
+
+@dataclass(frozen=True)
 class Layers:
     """A model's pipeline layers, in order, as the cost model sees them (any model: measure or derive these).
 
@@ -24,7 +45,8 @@ class Layers:
     tp_comm: per layer, the tensor-parallel collectives of one sample (forward count, forward bytes, backward
     count, backward bytes), bytes as all-reduce volume (an all-gather or a reduce-scatter counts half).
     workspace: per layer, transient bytes per sample while its backward runs (recomputed activations or
-    activation gradients), on top of what `activation_bytes` keeps.
+    activation gradients), on top of what `activation_bytes` keeps. wire: element sizes of the weights, gradients
+    and messages the step moves (the run's precision).
     """
 
     params: tuple[int, ...]
@@ -37,6 +59,7 @@ class Layers:
     tensor_parallel: int = 1
     tp_comm: tuple[tuple[int, float, int, float], ...] | None = None
     workspace: tuple[float, ...] | None = None
+    wire: WireBytes = WireBytes()
 
     def __len__(self) -> int:
         return len(self.params)

@@ -12,7 +12,7 @@ from typing import Any
 from lightning_bfpp.schedule import LOOPED_SCHEDULES, SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, compute_order, lower
 from lightning_bfpp.schedule.dims import ParallelDims, divisors
 
-from .cost import WEIGHT_BYTES, Cluster, Costs, build_costs, state_bytes
+from .cost import Cluster, Costs, build_costs, state_bytes
 from .model import Model
 from .residency import RESIDENCIES, relower
 from .simulate import SimOptions, SimResult, evaluate, simulate
@@ -204,7 +204,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
             live = min(pp, c.micro_batches) * act
         else:
             live = max(st.activation for st in local)
-        gathered = WEIGHT_BYTES * max(st.params for st in local) if c.sharding == "full" else 0.0
+        gathered = max(st.weight_bytes * st.params for st in local) if c.sharding == "full" else 0.0
         worst = max(worst, state + live + gathered + min(st.workspace for st in local))
     return worst
 

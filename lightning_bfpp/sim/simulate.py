@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from lightning_bfpp.schedule import Op, Schedule, ScheduleError
 
-from .cost import GRAD_BYTES, WEIGHT_BYTES, Costs, state_bytes
+from .cost import Costs, state_bytes
 from .memory import MemoryReport, memory_report
 
 
@@ -188,7 +188,7 @@ class _Play:
                 self.unshard(r, a[1])
             elif code == _RESHARD:
                 if self.full:
-                    r.mem.append((r.host, -WEIGHT_BYTES * self.stages[a[1]].params, "weights"))
+                    r.mem.append((r.host, -self.stages[a[1]].weight_bytes * self.stages[a[1]].params, "weights"))
             elif code == _REDUCE:
                 r.host += self.stages[a[1]].reduce_host  # the runtime scales the stage's gradients on the host first
                 if self.options.reduce_at_end:
@@ -224,7 +224,7 @@ class _Play:
                 r.mem += [(t0, st.workspace, "workspace"), (t0 + dur, -st.workspace, "workspace")]
             if self.full and s not in r.grads:
                 r.grads.add(s)
-                r.mem.append((t0, GRAD_BYTES * st.params, "gradients"))
+                r.mem.append((t0, st.grad_bytes * st.params, "gradients"))
         r.host = t0 + dur
         r.busy += dur
         if self.events is not None:
@@ -257,7 +257,7 @@ class _Play:
         r.ag_free = r.ready[s] = t0 + st.unshard
         if st.inter_node:
             r.nic, r.ag_stage = r.ag_free, s
-        r.mem.append((t0, WEIGHT_BYTES * st.params, "weights"))
+        r.mem.append((t0, st.weight_bytes * st.params, "weights"))
         if self.events is not None and st.unshard:
             self.events.append(Event(r.rank, "UNSHARD", s, None, t0, r.ag_free))
 
@@ -272,7 +272,7 @@ class _Play:
             self.events.append(Event(r.rank, "REDUCE", s, None, t0, r.rs_free))
         if self.full and s in r.grads:
             r.grads.discard(s)
-            r.mem.append((r.rs_free, -GRAD_BYTES * st.params, "gradients"))
+            r.mem.append((r.rs_free, -st.grad_bytes * st.params, "gradients"))
 
     def result(self) -> SimResult:
         """Step time: the last of every rank's host (+ per-step overhead), streams and outgoing links."""

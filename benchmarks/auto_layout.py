@@ -66,7 +66,8 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
     per_round_max = [max(speed[k][i] for k in hand_labels) for i in range(rounds)]
     # The best median of many near-tied noisy layouts is biased upward (a max over noise). Held out: in each round,
     # the hand-set layout that is best over the OTHER rounds, timed in this round (leave-one-out selection).
-    held_out = [max(hand_labels, key=lambda k: statistics.median(speed[k][:i] + speed[k][i + 1:])) for i in range(rounds)]
+    held_out = [max(hand_labels, key=lambda k: statistics.median(speed[k][:i] + speed[k][i + 1:]))
+                for i in range(rounds)] if rounds > 1 else []
     hand_startup = [r["rank0"]["startup_s"] for j, r in zip(jobs, results) if not j.get("auto")]
     return {"setting": {"model": model, "batch": batch, "rounds": rounds, "steps": steps, "warmup": warmup,
                         "processes": devices, "threads_per_process": 1, "grid_size": len(hand), "quick": quick,

@@ -47,11 +47,11 @@ def _links(comm: dict, world: int, nbytes: int, max_wait: float) -> dict[str, fl
     """Gloo's links from the ping-pong and collective samples: one-way latency, p2p bandwidth, ring bandwidths."""
     lat = robust(comm["ping_pong_small"], max_wait)[0] / 2  # one way
     p2p = robust(comm["ping_pong_big"], max_wait)[0] / 2
-    ring = {}
+    ring, full = {}, world * nbytes  # each rank's nbytes, gathered (or reduce-scattered from) world * nbytes
     for key in ("all_gather", "reduce_scatter"):
         s = robust(comm[key], max_wait)[0]
         # ring_time(full, world, bw, lat) = (w-1)/w * full / bw + (w-1) * lat  ->  solve for bw
-        ring[key] = (world - 1) / world * world * nbytes / max(s - (world - 1) * lat, 1e-9)
+        ring[key] = (world - 1) / world * full / max(s - (world - 1) * lat, 1e-9)
     return {"latency": lat, "p2p_s": p2p, "p2p_bw": nbytes / max(p2p - lat, 1e-9), "ring": ring}
 
 

@@ -70,7 +70,7 @@ class PipelineMetrics(Callback):
         self.history: list[dict[str, float]] = []
         self.last_val_step: int | None = None
         self._t0 = 0.0
-        self._throughput: Throughput | None = None  # made in on_train_start, when the devices are known
+        self._throughput: Throughput | None = None  # made at the first step, when the devices are known
         self._totals = {"time": 0.0, "batches": 0, "samples": 0, "lengths": 0}  # the job's, summed over steps
 
     # ---- per step ----

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from ..schedule.layout import balanced_layout
-from .model import Layers, Model
+from .model import Layers, Model, WireBytes
 
 # Bytes per parameter (mixed precision, Adam): fp32 master (4) + fp32 grad (4) + Adam m, v (8) held per
 # rank (divided by dp under full sharding), plus bf16 compute weights (2) while a stage is gathered and a
 # bf16 unsharded gradient (2) from a stage's first backward until its reduction.
 STATE_BYTES = 16
-WEIGHT_BYTES = 2
-GRAD_BYTES = 2
+WEIGHT_BYTES = WireBytes.weights  # the paper's regime (``WireBytes``: what a run of another precision moves)
+GRAD_BYTES = WireBytes.grads
 SHARDINGS = ("full", "none", "optimizer")
 
 

@@ -1,5 +1,5 @@
 # Scope: P2 — measured bubble fraction (idle / compute on each rank's compute timeline, max over
-# ranks, from BFPPStrategy.step_stats) per schedule vs the formula (pp-1)/(loops*m) for looped
+# ranks, from BFPPStrategy.step_stats; each rank's own too, and how unequal the ranks' compute is) per schedule vs the formula (pp-1)/(loops*m) for looped
 # schedules and (pp-1)/m otherwise; and P5's second half: peak saved-activation bytes per schedule.
 from __future__ import annotations
 
@@ -33,12 +33,20 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
     compute: dict[str, list[float]] = {label: [] for label, *_ in labels}
     activations: dict[str, list[int]] = {label: [] for label, *_ in labels}
     periods: dict[str, list[float]] = {label: [] for label, *_ in labels}
+    rank_bubbles: dict[str, dict[str, list[float]]] = {label: {} for label, *_ in labels}
+    imbalance: dict[str, list[float]] = {label: [] for label, *_ in labels}  # busiest rank's compute / idlest's
     for job, res in zip(jobs, results):
         stats = res["rank0"]["stats"][warmup:]  # identical on every rank (max over ranks)
         bubbles[job["label"]].append(statistics.median(s["bubble_fraction"] for s in stats))
         compute[job["label"]].append(statistics.median(s["compute_s"] / s["step_s"] for s in stats))
         activations[job["label"]].append(max(r["memory"]["activation_peak_bytes"] for r in res.values()))
         periods[job["label"]].append(statistics.median(res["rank0"]["period_s"][warmup : steps - 1]))
+        for rank in stats[0]["timeline"]:
+            rank_bubbles[job["label"]].setdefault(rank, []).append(
+                statistics.median(s["timeline"][rank]["bubble_fraction"] for s in stats))
+        imbalance[job["label"]].append(statistics.median(
+            max(r["compute_s"] for r in s["timeline"].values()) / min(r["compute_s"] for r in s["timeline"].values())
+            for s in stats))
     rows = {}
     for label, _, loops, cut in labels:
         expected = theory(pp, loops, micro_batches)
@@ -47,6 +55,8 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             "loops": loops, "theory": expected, "measured": measured,
             "abs_error": abs(measured["median"] - expected),
             "busy_fraction_of_step": summarize(compute[label]),
+            "bubble_per_rank": {rank: summarize(v) for rank, v in sorted(rank_bubbles[label].items())},
+            "compute_max_over_min_rank": summarize(imbalance[label]),
             "activation_peak_bytes": max(activations[label]),
             "activation_vs_breadth_first": None, "stage_layers": cut, "period_s": summarize(periods[label]),
         }

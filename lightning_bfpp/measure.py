@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .runtime.instrument import MEMORY_KEYS, gather_stats, local_bytes, optimizer_bytes
+from .runtime.instrument import MEMORY_KEYS, TIMELINE_KEYS, gather_stats, local_bytes, optimizer_bytes
 
 
 def check_every_n_steps(every_n_steps: int | None) -> int | None:
@@ -29,8 +29,9 @@ def measure_now(trainer: Any, every_n_steps: int | None) -> bool:
 
 def step_stats(runner: Any, params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor], optimizers: list,
                device: torch.device) -> dict[str, Any]:
-    """Per-step measurements, identical on every rank: the max over ranks of each number (bubble, times, bytes)
-    and, under "memory", every rank's own byte counts ({global rank: {...}})."""
+    """Per-step measurements, identical on every rank: the max over ranks of each number (bubble, times, bytes);
+    every rank's own byte counts under "memory" and its own bubble, compute and step time under "timeline"
+    ({global rank: {...}}: which rank waits, which one the others wait for)."""
     local = {
         **runner.last_stats,
         "param_bytes": local_bytes(params),
@@ -38,4 +39,4 @@ def step_stats(runner: Any, params: Iterable[torch.Tensor], grads: Iterable[torc
         "optimizer_bytes": optimizer_bytes(optimizers),
         "activation_peak_bytes": runner.meter.peak,
     }
-    return gather_stats(local, MEMORY_KEYS, device)
+    return gather_stats(local, {"memory": MEMORY_KEYS, "timeline": TIMELINE_KEYS}, device)

@@ -159,6 +159,19 @@ def test_saved_activation_memory_follows_the_papers_ordering(runs):
     assert 2.5 <= peak["breadth_first"] / peak["breadth_first_groups4"] <= 5
 
 
+def test_step_stats_hold_every_ranks_timeline(runs):
+    """`step_stats["timeline"]`: each rank's own bubble, compute and step time, the same table on every rank; the
+    top-level numbers are their max over ranks."""
+    for cfg in MEMORY.values():
+        ranks = runs(2)[WORLD2.index(cfg)]
+        table = ranks[0]["stats"]["timeline"]
+        assert all(r["stats"]["timeline"] == table for r in ranks) and sorted(table) == [0, 1]
+        for key in ("bubble_fraction", "compute_s", "step_s"):
+            assert ranks[0]["stats"][key] == max(t[key] for t in table.values()), key
+        for t in table.values():
+            assert 0 < t["compute_s"] <= t["step_s"] and t["bubble_fraction"] == (t["step_s"] - t["compute_s"]) / t["compute_s"]
+
+
 def test_activation_meter_does_not_count_fsdp_gathered_weights(runs):
     """Weights FSDP gathers and autograd saves (e.g. `weight.t()`) are parameters, not activations:
     the same activation bytes per rank with and without sharding."""

@@ -120,16 +120,21 @@ def optimizer_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
 
 
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+TIMELINE_KEYS = ("bubble_fraction", "compute_s", "step_s")  # Timeline.stats, per rank under step_stats["timeline"]
 
 
-def gather_stats(local: dict[str, float], per_rank_keys: tuple[str, ...], device: torch.device) -> dict:
-    """Every rank's numbers (all-gathered): the max over ranks of each, plus {"memory": {rank: {key: value}}}
-    for `per_rank_keys`. Identical on every rank."""
+def gather_stats(local: dict[str, float], per_rank: dict[str, tuple[str, ...]], device: torch.device) -> dict:
+    """Every rank's numbers (all-gathered): the max over ranks of each, plus, for each `per_rank` table name,
+    {table: {rank: {key: value}}} with that table's keys present in `local` (byte counts as ints). Identical on every rank."""
     mine = torch.tensor(list(local.values()), dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     table = torch.stack(every).cpu()
     stats: dict = dict(zip(local, table.max(dim=0).values.tolist()))
-    columns = [list(local).index(k) for k in per_rank_keys]
-    stats["memory"] = {rank: {k: int(row[c]) for k, c in zip(per_rank_keys, columns)} for rank, row in enumerate(table.tolist())}
+    rows = table.tolist()
+    for name, wanted in per_rank.items():
+        keys = [k for k in wanted if k in local]
+        cast = int if all(k.endswith("_bytes") for k in keys) else float
+        columns = [list(local).index(k) for k in keys]
+        stats[name] = {rank: {k: cast(row[c]) for k, c in zip(keys, columns)} for rank, row in enumerate(rows)}
     return stats

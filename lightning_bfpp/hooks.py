@@ -118,3 +118,33 @@ def describe_contract(module: nn.Module) -> str:
     as_written = [m for m in ("validation_step", "test_step", "predict_step") if is_overridden(m, module)]
     return (f"bfpp: {replaced}; training metrics: {metrics}; run as written on the last stage with self(x) = the "
             f"pipeline's output: {', '.join(as_written) or 'none'} (README: Adapting a model).")
+
+
+# what in a user's step only does something on global rank 0 (Lightning's rank-zero-only printing and loggers)
+RANK_ZERO_ONLY = ("self.print(", "global_rank", "is_global_zero", "self.logger", "self.loggers", "rank_zero")
+LAST_STAGE_METHODS = ("validation_step", "test_step", "predict_step", "pipeline_train_metrics")
+
+
+def rank_zero_work_on_last_stage(module: nn.Module, pipeline_parallel: int) -> str | None:
+    """A warning when a method bfpp runs only on the last stage's ranks (never global rank 0 when pipeline_parallel
+    > 1) contains rank-zero-only work, which would then run on no rank; None when there is none (or no source)."""
+    if pipeline_parallel <= 1:
+        return None
+    found = []
+    for method in LAST_STAGE_METHODS:
+        fn = getattr(type(module), method, None)
+        if fn is None or getattr(fn, "__module__", "").startswith(("lightning.", "lightning_bfpp.")):
+            continue
+        try:
+            source = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        found += [f"{method} uses `{token.rstrip('(')}`" for token in RANK_ZERO_ONLY if token in source]
+    if not found:
+        return None
+    return (f"bfpp: {type(module).__name__}.{'; '.join(found)}: with pipeline_parallel={pipeline_parallel} these methods "
+            f"run only on the ranks of pipeline rank {pipeline_parallel - 1} (the last stage), never on global rank 0, "
+            "so rank-zero-only work in them (self.print, `if self.global_rank == 0`, logger calls, logger.experiment) "
+            "happens on no rank. Log with self.log (replayed on every rank), or do that work in a hook every rank "
+            "runs: the step's return value reaches on_validation_batch_end / on_test_batch_end / "
+            "on_predict_batch_end as `outputs` on every rank.")

@@ -250,9 +250,23 @@ class RemoteLayer(nn.Module):
         return self.where
 
 
+def _check_not_cut(root: nn.Module) -> None:
+    """Raise when an earlier bfpp run in this process has cut `root`: its other ranks' layers are placeholders."""
+    remote = [m.where for m in root.modules() if isinstance(m, RemoteLayer)]
+    if remote:
+        raise RuntimeError(
+            f"{type(root).__name__} was already cut into pipeline stages by an earlier Trainer(strategy='bfpp') in "
+            f"this process: {len(remote)} of its layers (e.g. {remote[0]}) hold no weights here, they live on other "
+            "ranks, so a new Trainer cannot cut it again. Reuse that Trainer (its fit/validate/test/predict keep the "
+            "cut), or build a new model for the new Trainer (to continue training: trainer.fit(new_model, "
+            "ckpt_path=<checkpoint>), which loads into any layout)."
+        )
+
+
 def _stage_layers(
     root: nn.Module, layers: Sequence[nn.Module], num_stages: int, layout: Sequence[int] | None
 ) -> list[list[Layer]]:
+    _check_not_cut(root)
     described = describe_layers(root, layers)
     covered = {id(p) for layer in described for _, mod in layer.parts for p in mod.parameters()}
     stray: dict[int, list[str]] = {}

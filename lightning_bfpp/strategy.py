@@ -19,7 +19,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .auto_layout import KNOBS, AutoLayout, decide, sample_inputs
 from .handover import GradHandover
-from .hooks import check_module, describe_contract
+from .hooks import check_module, describe_contract, rank_zero_work_on_last_stage
 from .job import JobGuard
 from .launcher import CheckingLauncher
 from .lightning_private import (SubprocessScriptLauncher, materialize_distributed_module, optimizers_to_device,
@@ -30,6 +30,7 @@ from .parallel import DP, PP, TP, build_mesh, clip_grad_norm_global, forget_grou
 from .partition import check_layout, plan_stages
 from .precision import pipeline_precision
 from .resume import skip_consumed_batches
+from .same_batch import check_same_batch
 from .runtime.layer_cost import auto_stage_layers
 from .runtime.pipeline import PipelineRunner, _batch_size
 from .schedule import Schedule, ScheduleSpec, build_schedule
@@ -44,6 +45,14 @@ BATCH_NAMES = Names(batch="global_batch_size")
 
 def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def _ragged_tail(dataloader: object) -> int:
+    """Samples in a map-style loader's short last batch (0: none, or unknown)."""
+    batch_size, sampler = getattr(dataloader, "batch_size", None), getattr(dataloader, "sampler", None)
+    if not isinstance(batch_size, int) or getattr(dataloader, "drop_last", True) or not hasattr(sampler, "__len__"):
+        return 0
+    return len(sampler) % batch_size
 
 
 class BFPPStrategy(ModelParallelStrategy):
@@ -144,6 +153,7 @@ class BFPPStrategy(ModelParallelStrategy):
         self._default_layout = pipeline_parallel is None and self.auto_layout is None
         self._requested_micro_batches = micro_batches
         self._contract_announced = False
+        self._check_batch = True  # the next batch is compared across the ranks of each replica (lightning_bfpp.same_batch)
         self._layout_announced = False
         pp = 1 if pipeline_parallel is None else pipeline_parallel
         m = micro_batches if micro_batches is not None else 1 if self.auto_layout else pp
@@ -299,18 +309,22 @@ class BFPPStrategy(ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._job.claim_signals()
+        self._check_batch = True
 
     @override
     def on_validation_start(self) -> None:
         self._job.claim_signals()
+        self._check_batch = True
 
     @override
     def on_test_start(self) -> None:
         self._job.claim_signals()
+        self._check_batch = True
 
     @override
     def on_predict_start(self) -> None:
         self._job.claim_signals()
+        self._check_batch = True
 
     # ---- model ---------------------------------------------------------------------------------
     @override
@@ -348,6 +362,8 @@ class BFPPStrategy(ModelParallelStrategy):
         if not self._contract_announced:
             self._contract_announced = True
             rank_zero_info(describe_contract(module))
+            if (warning := rank_zero_work_on_last_stage(module, self.spec.pipeline_parallel)) is not None:
+                rank_zero_warn(warning)
         undecided = self.stage_layers == "auto" or (self.auto_layout is not None and not self._decided)
         stages = plan_stages(module, layers, self.spec.num_stages, None if undecided else self.stage_layers)
         if self.tensor_parallel > 1:
@@ -426,6 +442,12 @@ class BFPPStrategy(ModelParallelStrategy):
                     f"{self.data_parallel} is not global_batch_size={self.global_batch_size}: build the loader with "
                     f"batch_size=trainer.strategy.replica_batch_size ({self.replica_batch_size}), e.g. in a datamodule's "
                     "setup/train_dataloader, so the optimizer sees the same batch whatever the layout.")
+        tail = _ragged_tail(dataloader)
+        if tail and trainer.training and tail % self.spec.micro_batches:
+            rank_zero_warn(
+                f"the training dataloader's last batch of each epoch has {tail} samples (per data-parallel replica), "
+                f"not a multiple of micro_batches={self.spec.micro_batches}: the step that reaches it will stop with "
+                "an error. Set drop_last=True on the training loader (evaluation loaders may keep a ragged last batch).")
         if trainer.training and trainer.fit_loop.restarting:
             return skip_consumed_batches(dataloader, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
         return dataloader
@@ -441,6 +463,8 @@ class BFPPStrategy(ModelParallelStrategy):
         train_metrics = getattr(module, "pipeline_train_metrics", None)
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
         self.measured_step = measure = measure_now(module.trainer, self.measure_every_n_steps)
+        if measure or self._check_batch:
+            self._same_batch((inputs, target), "training")
         with self._handover.capture(params):
             with self.precision_plugin.train_step_context():
                 loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics), measure=measure)
@@ -486,8 +510,16 @@ class BFPPStrategy(ModelParallelStrategy):
         return run_on_last_stage(self.lightning_module, method, self.runner.has_last_stage, pp_mesh.get_group(),
                                  self.spec.pipeline_parallel - 1, dp_mesh.get_group(), self.root_device)
 
+    def _same_batch(self, batch: Any, where: str) -> None:
+        """The first batch of every loop and each measured training step: the same on the ranks of a replica."""
+        self._check_batch = False
+        if self.spec.pipeline_parallel * self.tensor_parallel > 1:
+            check_same_batch(batch, where, self.data_parallel, self.tensor_parallel, self.root_device)
+
     def _user_step(self, step: str, context, args: tuple, kwargs: dict) -> Any:
         assert self.runner is not None
+        if self._check_batch:
+            self._same_batch(kwargs.get("batch", args[0] if args else None), step.removesuffix("_step"))
         with context():
             return user_step(self.lightning_module, self.runner, step, args, kwargs, self._run_user_step)
 

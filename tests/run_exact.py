@@ -3,7 +3,7 @@
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
 eval (validate/test/predict after fit), opt (sgd|adamw),
-save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index),
+save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index), own_batch (rank 1 alone changes its batch at that index),
 nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, and pid_dir/exceptionR =
 "<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
@@ -79,6 +79,8 @@ class Record(Callback):
         time.sleep(self.cfg.get("step_sleep", 0))
         if batch_idx == self.cfg.get("wide_batch"):  # a batch the first layer cannot take (one feature too many)
             batch[0] = torch.cat([batch[0], batch[0][:, :1]], dim=1)
+        if batch_idx == self.cfg.get("own_batch") and trainer.global_rank == 1:  # this rank drew another batch
+            batch[0] = batch[0] + 1
         if batch_idx == self.cfg.get("nan_batch") and trainer.strategy.device_mesh["data_parallel"].get_local_rank() == 0:
             batch[0][0, 0] = float("nan")  # one bad sample in one data-parallel replica
 

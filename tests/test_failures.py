@@ -98,6 +98,19 @@ def test_input_the_stages_cannot_take_names_the_stage(tmp_path):
     _names_the_failed_rank(output, 0)
 
 
+@pytest.mark.parametrize("step", [0, 2])
+def test_ranks_of_a_replica_with_different_batches_stop_the_job(tmp_path, step):
+    """Rank 1 (pipeline stage 1: it computes the loss) loads another batch than rank 0 (stage 0: it feeds the
+    pipeline): the job stops at that step on every rank, saying so, instead of pairing one draw's inputs with another's
+    targets. Checked on the first step and on measured steps (every step here)."""
+    with pytest.raises(AssertionError) as failure:
+        run_lightning(tmp_path, 2, [{"pp": 2, "loops": 1, "m": 2, "own_batch": step}], timeout=100)
+    output = str(failure.value)
+    assert "the training batch differs between ranks that must load the same one (rank 1 vs rank 0)" in output
+    assert set(re.findall(r"\[rank (\d)\] bfpp: the job stops because rank \d failed: RuntimeError: bfpp: the training "
+                          r"batch differs", output)) == {"0", "1"}
+
+
 def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
     nan_step = 3
     cfg = {"pp": 2, "loops": 2, "m": 2, "steps": 6, "nan_batch": nan_step, "pid_dir": str(tmp_path),

@@ -135,6 +135,9 @@ def test_split_keeps_global_names_and_removes_remote_layers():
     assert isinstance(model.embed, RemoteLayer) and len(model.blocks) == 6
     with pytest.raises(RuntimeError, match="lives on another pipeline rank"):
         model.embed(None)
+    # a new Trainer given the cut model (its other ranks' layers are placeholders) is refused, not cut again
+    with pytest.raises(RuntimeError, match="already cut into pipeline stages by an earlier Trainer.*build a new model"):
+        plan_stages(model, model.pipeline_layers(), 2)
 
 
 def test_layout_and_parameter_coverage_errors():
@@ -211,3 +214,23 @@ def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwar
         trainer.fit(StackNet(n_blocks=2), loader(8))
     assert time.monotonic() - start < 10
     assert not dist.is_initialized()
+
+
+def test_rank_zero_only_work_in_last_stage_steps_is_named():
+    """validation_step & co. run only on the last stage's ranks: rank-zero-only work there would run nowhere."""
+    from lightning_bfpp.hooks import rank_zero_work_on_last_stage
+
+    class Printing(StackNet):
+        def validation_step(self, batch, batch_idx):
+            if self.global_rank == 0:
+                self.print("val", batch_idx)
+
+    class Logging(StackNet):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self(batch[0]).sum())
+
+    warning = rank_zero_work_on_last_stage(Printing(n_blocks=2), 2)
+    assert "Printing.validation_step uses `self.print`; validation_step uses `global_rank`" in warning
+    assert "pipeline rank 1 (the last stage), never on global rank 0" in warning
+    assert rank_zero_work_on_last_stage(Printing(n_blocks=2), 1) is None  # one pipeline rank: every rank runs it
+    assert rank_zero_work_on_last_stage(Logging(n_blocks=2), 4) is None  # self.log is replayed on every rank

@@ -12,7 +12,9 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_bfpp import PipelineHooks
 
-DIM, CLASSES, TRAIN, VAL = 12, 4, 64, 64
+# VAL: 62 = 2 x 31, so the evaluation loaders end in a ragged batch (14 samples per replica at dp=1, 7 at dp=2)
+# that bfpp runs as fewer micro-batches; even, so dp=2 needs no padding
+DIM, CLASSES, TRAIN, VAL = 12, 4, 64, 62
 
 
 class Residual(nn.Module):
@@ -94,7 +96,8 @@ def data(train: bool) -> TensorDataset:
 
 
 def loader(train: bool, batch_size: int) -> DataLoader:
-    return DataLoader(data(train), batch_size=batch_size, shuffle=False, drop_last=True)
+    """Training batches all full; evaluation keeps every sample (a ragged last batch)."""
+    return DataLoader(data(train), batch_size=batch_size, shuffle=False, drop_last=train)
 
 
 class ReplicaOrder(Sampler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -74,10 +75,24 @@ class PipelineRunner:
     def has_last_stage(self) -> bool:
         return self.spec.num_stages - 1 in self.modules
 
+    def _forward_schedule(self, batch: int) -> Schedule:
+        """The forward-only schedule for a batch of `batch` samples. A batch that does not split into
+        `micro_batches` (an evaluation loader's ragged last batch) runs as gcd(batch, micro_batches) equal
+        micro-batches in breadth-first order (legal for every micro-batch count; forward-only, any order gives
+        the same outputs), so no sample is dropped."""
+        m = math.gcd(batch, self.spec.micro_batches)
+        if m == self.spec.micro_batches:
+            return self.schedules["forward"]
+        key = f"forward/{m}"
+        if key not in self.schedules:
+            self.schedules[key] = build_schedule(dataclasses.replace(
+                self.spec, name="breadth_first", micro_batches=m, groups=1, forward_only=True))
+        return self.schedules[key]
+
     def _runtime(self, mode: str, inputs: Any):
         key = (mode, _shape_key(inputs))
         if key not in self._runtimes:
-            schedule = self.schedules["train" if mode == "train" else "forward"]
+            schedule = self.schedules["train"] if mode == "train" else self._forward_schedule(_batch_size(inputs))
             loss_fn = None if mode == "predict" else self.loss_fn
             runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
             for stage in stages:
@@ -88,7 +103,8 @@ class PipelineRunner:
         return self._runtimes[key][0]
 
     def _run(self, mode: str, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[Any, list[torch.Tensor]]:
-        micro_batch_size(_batch_size(inputs), self.spec.micro_batches, _BATCH_NAMES)
+        if mode == "train":
+            micro_batch_size(_batch_size(inputs), self.spec.micro_batches, _BATCH_NAMES)
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []

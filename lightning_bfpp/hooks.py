@@ -148,3 +148,22 @@ def rank_zero_work_on_last_stage(module: nn.Module, pipeline_parallel: int) -> s
             "happens on no rank. Log with self.log (replayed on every rank), or do that work in a hook every rank "
             "runs: the step's return value reaches on_validation_batch_end / on_test_batch_end / "
             "on_predict_batch_end as `outputs` on every rank.")
+
+
+def forward_not_the_pipeline(module: nn.Module) -> str | None:
+    """A warning when the module's own `forward` does not go through its pipeline layers (bfpp never calls it: training
+    and ``self(x)`` in the user's steps are the layers of ``pipeline_layers()`` in order), so whatever else it does
+    would be silently left out; None when it calls ``pipeline_forward``/``pipeline_layers`` (or has no source)."""
+    fn = getattr(type(module), "forward", None)
+    if fn is None or getattr(fn, "__module__", "").startswith(("lightning.", "lightning_bfpp.", "torch.")):
+        return None
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    if "pipeline_forward" in source or "pipeline_layers" in source:
+        return None
+    return (f"bfpp: {type(module).__name__}.forward is never called under strategy='bfpp': training and self(x) in your "
+            "steps run the layers of pipeline_layers() in order. Anything else forward does (another order, extra "
+            "modules or arithmetic between layers) is left out; write it as `return self.pipeline_forward(x)` so both "
+            "are the same (README: Adapting a model).")

@@ -234,3 +234,17 @@ def test_rank_zero_only_work_in_last_stage_steps_is_named():
     assert "pipeline rank 1 (the last stage), never on global rank 0" in warning
     assert rank_zero_work_on_last_stage(Printing(n_blocks=2), 1) is None  # one pipeline rank: every rank runs it
     assert rank_zero_work_on_last_stage(Logging(n_blocks=2), 4) is None  # self.log is replayed on every rank
+
+
+def test_a_forward_that_is_not_the_pipeline_is_named():
+    """bfpp never calls forward (training and self(x) are the pipeline layers in order): a forward that is not
+    written with pipeline_forward/pipeline_layers gets a warning, the contract's own does not."""
+    from lightning_bfpp.hooks import forward_not_the_pipeline
+
+    class Scaled(StackNet):
+        def forward(self, x):
+            return 2 * self.head(self.embed(x))
+
+    assert forward_not_the_pipeline(StackNet(n_blocks=2)) is None  # forward = self.pipeline_forward(x)
+    warning = forward_not_the_pipeline(Scaled(n_blocks=2))
+    assert "Scaled.forward is never called under strategy='bfpp'" in warning and "pipeline_forward(x)" in warning

@@ -125,6 +125,18 @@ RANK_ZERO_ONLY = ("self.print(", "global_rank", "is_global_zero", "self.logger",
 LAST_STAGE_METHODS = ("validation_step", "test_step", "predict_step", "pipeline_train_metrics")
 
 
+def _user_source(module: nn.Module, method: str) -> str | None:
+    """The source of `method` when the user's class defines it (not Lightning, torch or bfpp); None otherwise or when
+    the source cannot be read."""
+    fn = getattr(type(module), method, None)
+    if fn is None or getattr(fn, "__module__", "").startswith(("lightning.", "lightning_bfpp.", "torch.")):
+        return None
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
 def rank_zero_work_on_last_stage(module: nn.Module, pipeline_parallel: int) -> str | None:
     """A warning when a method bfpp runs only on the last stage's ranks (never global rank 0 when pipeline_parallel
     > 1) contains rank-zero-only work, which would then run on no rank; None when there is none (or no source)."""
@@ -132,13 +144,7 @@ def rank_zero_work_on_last_stage(module: nn.Module, pipeline_parallel: int) -> s
         return None
     found = []
     for method in LAST_STAGE_METHODS:
-        fn = getattr(type(module), method, None)
-        if fn is None or getattr(fn, "__module__", "").startswith(("lightning.", "lightning_bfpp.")):
-            continue
-        try:
-            source = inspect.getsource(fn)
-        except (OSError, TypeError):
-            continue
+        source = _user_source(module, method) or ""
         found += [f"{method} uses `{token.rstrip('(')}`" for token in RANK_ZERO_ONLY if token in source]
     if not found:
         return None
@@ -154,14 +160,8 @@ def forward_not_the_pipeline(module: nn.Module) -> str | None:
     """A warning when the module's own `forward` does not go through its pipeline layers (bfpp never calls it: training
     and ``self(x)`` in the user's steps are the layers of ``pipeline_layers()`` in order), so whatever else it does
     would be silently left out; None when it calls ``pipeline_forward``/``pipeline_layers`` (or has no source)."""
-    fn = getattr(type(module), "forward", None)
-    if fn is None or getattr(fn, "__module__", "").startswith(("lightning.", "lightning_bfpp.", "torch.")):
-        return None
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    if "pipeline_forward" in source or "pipeline_layers" in source:
+    source = _user_source(module, "forward")
+    if source is None or "pipeline_forward" in source or "pipeline_layers" in source:
         return None
     return (f"bfpp: {type(module).__name__}.forward is never called under strategy='bfpp': training and self(x) in your "
             "steps run the layers of pipeline_layers() in order. Anything else forward does (another order, extra "

@@ -5,31 +5,23 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from .runtime.instrument import gather_rows
 
 REL_TOL = 1e-9  # float64 sums of identical tensors agree exactly; this only absorbs a reduction's order
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def fingerprint(value: Any) -> list[float]:
     """[element count, sum, position-weighted sum] over the tensors in `value`: equal for the same batch, different
     for another draw or the same samples in another order."""
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(value, torch.Tensor, tensors.append)  # tuples, lists, dicts, dataclasses; other items ignored
     count, total, weighted = 0.0, 0.0, 0.0
-    for t in _tensors(value):
+    for t in tensors:
         flat = t.detach().reshape(-1).to(torch.float64)
         weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64) % 1009 + 1
         count, total, weighted = count + flat.numel(), total + float(flat.sum()), weighted + float((flat * weights).sum())
@@ -45,16 +37,12 @@ def _same(a: float, b: float) -> bool:
 def check_same_batch(batch: Any, where: str, data_parallel: int, tensor_parallel: int, device: torch.device) -> None:
     """Raise on every rank (the same message) when the ranks of a data-parallel replica hold different batches.
     Ranks are laid out (pp, dp, tp), tp innermost: rank r belongs to replica (r // tp) % dp."""
-    mine = torch.tensor(fingerprint(batch), dtype=torch.float64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    rows = torch.stack(every).cpu().tolist()
-    differ = []
-    for rank, row in enumerate(rows):
-        first = next(r for r in range(len(rows)) if (r // tensor_parallel) % data_parallel == (rank // tensor_parallel) % data_parallel)
-        ref = rows[first]
-        if not all(_same(a, b) for a, b in zip(row, ref)):
-            differ.append((first, rank))
+    def first(rank: int) -> int:  # the lowest rank of `rank`'s replica
+        return (rank // tensor_parallel) % data_parallel * tensor_parallel
+
+    rows = gather_rows(fingerprint(batch), device)
+    differ = [(first(rank), rank) for rank, row in enumerate(rows)
+              if not all(_same(a, b) for a, b in zip(row, rows[first(rank)]))]
     if differ:
         pairs = ", ".join(f"rank {b} vs rank {a}" for a, b in differ[:4])
         raise RuntimeError(

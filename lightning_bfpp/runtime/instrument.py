@@ -123,18 +123,22 @@ MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_
 TIMELINE_KEYS = ("bubble_fraction", "compute_s", "step_s")  # Timeline.stats, per rank under step_stats["timeline"]
 
 
-def gather_stats(local: dict[str, float], per_rank: dict[str, tuple[str, ...]], device: torch.device) -> dict:
-    """Every rank's numbers (all-gathered): the max over ranks of each, plus, for each `per_rank` table name,
-    {table: {rank: {key: value}}} with that table's keys present in `local` (byte counts as ints). Identical on every rank."""
-    mine = torch.tensor(list(local.values()), dtype=torch.float64, device=device)
+def gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (all-gathered as float64), indexed by global rank. Identical on every rank."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    table = torch.stack(every).cpu()
-    stats: dict = dict(zip(local, table.max(dim=0).values.tolist()))
-    rows = table.tolist()
-    for name, wanted in per_rank.items():
-        keys = [k for k in wanted if k in local]
-        cast = int if all(k.endswith("_bytes") for k in keys) else float
-        columns = [list(local).index(k) for k in keys]
-        stats[name] = {rank: {k: cast(row[c]) for k, c in zip(keys, columns)} for rank, row in enumerate(rows)}
+    return torch.stack(every).cpu().tolist()
+
+
+def gather_stats(local: dict[str, float], per_rank: dict[str, tuple[str, ...]], device: torch.device) -> dict:
+    """Every rank's numbers (all-gathered): the max over ranks of each, plus, for each `per_rank` table name,
+    {table: {rank: {key: value}}} with that table's keys (byte counts as ints). Identical on every rank."""
+    rows = gather_rows(list(local.values()), device)
+    names = list(local)
+    stats: dict = {k: max(row[c] for row in rows) for c, k in enumerate(names)}
+    for table, keys in per_rank.items():
+        columns = [names.index(k) for k in keys]
+        stats[table] = {rank: {k: (int if k.endswith("_bytes") else float)(row[c]) for k, c in zip(keys, columns)}
+                        for rank, row in enumerate(rows)}
     return stats

@@ -15,8 +15,10 @@ Works under Lightning's own launcher (popen), torchrun and SLURM variables alike
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -190,4 +192,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test may ask a process that outlives its budget where it is
     main()

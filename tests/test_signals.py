@@ -65,8 +65,10 @@ def signal_job(work: Path, launcher: str, target: str, signum: int, settle: floa
         victims = {"launcher": [procs[0].pid], "child": [pids[1]], "all": [pids[r] for r in range(WORLD)]}[target]
         for pid in victims:
             os.kill(pid, signum)
-        sent = time.monotonic()
+        sent, asked = time.monotonic(), False
         while any(pid_alive(p) for p in pids.values()) and time.monotonic() - sent < BUDGET_S + 30:
+            if not asked and time.monotonic() - sent > BUDGET_S - 10:  # before torchrun's own SIGKILL at 30 s
+                asked = _dump_stacks(pids)  # a rank about to miss the budget prints where it is (tests/run_exact.py)
             time.sleep(0.05)
         gone = time.monotonic() - sent
     finally:
@@ -78,6 +80,13 @@ def signal_job(work: Path, launcher: str, target: str, signum: int, settle: floa
     for reader in readers:
         reader.join(timeout=30)
     return Stopped(gone, [p.wait() for p in procs], "\n".join(outputs), save_dir)
+
+
+def _dump_stacks(pids: dict[int, int]) -> bool:
+    for rank, pid in pids.items():
+        if rank >= 0 and pid_alive(pid):
+            os.kill(pid, signal.SIGUSR2)
+    return True
 
 
 def _start(work: Path, launcher: str, cfg: list[dict]) -> list[subprocess.Popen]:

@@ -2,7 +2,8 @@
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama), tie (tied embeddings; default: the family's own), attn (sdpa|eager), pp, loops, m,
+Config keys: family (gpt2|llama|gemma3: Gemma 3 mixes sliding-window and full attention layers, each with its
+own rotary cos/sin, scales its embedding and soft-caps its logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), pp, loops, m,
 steps, batch (global), precision, ac (activation_checkpointing), save (checkpoint folder written after fit).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...]}.
 """
@@ -34,6 +35,13 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                       tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
         return transformers.GPT2LMHeadModel(cfg)
+    if family == "gemma3":
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                            layer_types=["sliding_attention", "full_attention"], sliding_window=SEQ // 4,
+                                            final_logit_softcapping=5.0, tie_word_embeddings=True if tie is None else tie,
+                                            attn_implementation=attn)
+        return transformers.Gemma3ForCausalLM(cfg)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ,
                                    tie_word_embeddings=False if tie is None else tie, attn_implementation=attn)

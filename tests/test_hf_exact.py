@@ -1,4 +1,4 @@
-"""Hugging Face GPT-2 and Llama (tiny, random init) under bfpp equal the plain HF model trained in one process,
+"""Hugging Face GPT-2, Llama and Gemma 3 (tiny, random init) under bfpp equal the plain HF model trained in one process,
 and the exported checkpoint loads into the plain HF class with strict=True (no key map)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ TOL = 1e-6
 STEPS, BATCH = 3, 8
 # pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
 CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True}, {"family": "gpt2", "attn": "eager"}]
-RUNS = {2: CONFIGS[:2], 4: CONFIGS}  # devices 2: data parallel 1; devices 4: data parallel 2
+RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}], 4: CONFIGS}  # devices 2: data parallel 1; devices 4: data parallel 2
 
 
 def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa"):

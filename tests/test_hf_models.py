@@ -1,0 +1,123 @@
+"""lightning_bfpp.hf.CausalLM on Hugging Face architectures beyond GPT-2 and Llama, in one process: its pipeline
+layers give the model's own logits (sliding windows, attention types mixed per layer with their own rotary,
+logit scaling and soft-capping, scaled embeddings), and a model whose forward does something they do not is
+refused at construction instead of training a different model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
+
+from lightning_bfpp.hf import CausalLM, TypedDecoderLayer  # noqa: E402
+from lightning_bfpp.partition import plan_stages  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, vocab_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+WINDOW, SEQ = 4, 24  # sequences longer than the sliding window, so the window matters
+ARCHITECTURES = {  # model_type: what its own forward does besides calling its modules, at these settings
+    "mistral": dict(sliding_window=WINDOW),  # every layer sliding-window
+    "phi3": dict(sliding_window=WINDOW),
+    "starcoder2": dict(sliding_window=WINDOW),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 0 full, then sliding
+    "ministral": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "cohere2": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    logit_scale=0.3),  # mixed types, logits scaled
+    "gemma3_text": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        final_logit_softcapping=2.0),  # per-type rotary, soft-capped logits, scaled embedding
+    "granite": dict(embedding_multiplier=6.0, logits_scaling=4.0, residual_multiplier=0.5),
+    "cohere": dict(logit_scale=0.3),
+}
+
+
+def build(model_type: str, attn: str = "sdpa", **overrides):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **ARCHITECTURES.get(model_type, {}), **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    for p in model.parameters():  # logits of order 10, so a missed scaling or soft-cap shows
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.5)
+    return model
+
+
+NEEDS_5 = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason=(
+    "transformers 4's Gemma 3 layers take position_embeddings_global/_local: refused by CausalLM's check there"))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=NEEDS_5) if t == "gemma3_text" else t for t in ARCHITECTURES])
+def test_the_pipeline_layers_give_the_models_own_logits(model_type, attn):
+    model = build(model_type, attn).eval()
+    lm = CausalLM(model)
+    ids = torch.randint(0, SMALL["vocab_size"], (3, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert expected.abs().max() > 1  # large enough for the scalings to matter
+        torch.testing.assert_close(lm(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_of_mixed_attention_types_keep_the_models_own_names():
+    lm = CausalLM(build("ministral"))
+    layers = lm.pipeline_layers()
+    assert [layer.attention_type for layer in layers[1:-1]] == ARCHITECTURES["ministral"]["layer_types"]
+    assert all(isinstance(layer, TypedDecoderLayer) for layer in layers[1:-1])
+    names = plan_stages(lm, layers, 5)
+    assert names == [["model.embed_tokens"], ["model.layers.0"], ["model.layers.1"], ["model.layers.2"], ["model.norm", "lm_head"]]
+
+
+class ScaledLlama(transformers.LlamaForCausalLM):
+    """A model whose forward does something its modules do not (a user's subclass, or an architecture
+    lightning_bfpp.hf does not know)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_a_model_whose_forward_does_more_than_its_layers_is_refused():
+    model = ScaledLlama(transformers.LlamaConfig(**SMALL))
+    model.train()
+    with pytest.raises(ValueError, match=r"ScaledLlama's pipeline layers do not reproduce its own forward .* check=False"):
+        CausalLM(model)
+    assert model.training  # the check puts the mode back
+    CausalLM(model, check=False)  # the user's own risk
+
+
+def test_layers_that_cannot_run_alone_are_refused_naming_the_model():
+    model = build("llama")
+    layer = model.model.layers[1]
+    plain = layer.forward
+
+    def forward(*args, **kwargs):  # a layer that needs an argument only the model's own forward passes
+        if "cache" not in kwargs and "past_key_values" not in kwargs:
+            raise RuntimeError("needs the whole model")
+        return plain(*args, **kwargs)
+
+    layer.forward = forward
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's layers cannot run one after another .*needs the whole model"):
+        CausalLM(model)
+
+
+def test_an_unknown_attention_type_is_named():
+    model = build("qwen3_next", linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
+                  linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"attention type 'linear_attention'.*list its layers"):
+        CausalLM(model)
+
+
+def test_the_check_draws_no_random_numbers():
+    model = build("llama")
+    torch.manual_seed(5)
+    CausalLM(model)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), after)
+
+
+def test_a_router_loss_that_is_not_trained_is_named():
+    with pytest.warns(UserWarning, match=r"output_router_logits=True, but its router's auxiliary loss is not part of pipeline_loss"):
+        CausalLM(build("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))

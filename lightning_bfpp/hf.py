@@ -129,8 +129,8 @@ def causal_lm_layers(model: nn.Module) -> list[nn.Module]:
     layers: list[nn.Module] = []
     for mod in body:
         if isinstance(mod, nn.ModuleList):
-            decoders = mod[: config.num_hidden_layers]
-            layers.extend(TypedDecoderLayer(d, t) for d, t in zip(decoders, types)) if mixed else layers.extend(decoders)
+            decoders = list(mod[: config.num_hidden_layers])
+            layers.extend([TypedDecoderLayer(d, t) for d, t in zip(decoders, types)] if mixed else decoders)
         elif getattr(config, "embedding_multiplier", 1.0) != 1.0:  # Granite scales the token embedding
             layers.append(ScaledEmbedding(mod, config.embedding_multiplier))
         else:

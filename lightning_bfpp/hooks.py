@@ -167,3 +167,29 @@ def forward_not_the_pipeline(module: nn.Module) -> str | None:
             "steps run the layers of pipeline_layers() in order. Anything else forward does (another order, extra "
             "modules or arithmetic between layers) is left out; write it as `return self.pipeline_forward(x)` so both "
             "are the same (README: Adapting a model).")
+
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def not_run_as_written(module: nn.Module, micro_batches: int) -> list[str]:
+    """Warnings for what the module defines that bfpp runs differently from one process: its own ``backward``
+    (the schedule runs backward per micro-batch) and batch normalization (statistics per micro-batch)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    name, found = type(module).__name__, []
+    if is_overridden("backward", module):
+        found.append(
+            f"bfpp: {name}.backward is never called under strategy='bfpp': the schedule runs backward of every "
+            "micro-batch itself and hands the gradients to Lightning's backward step, so anything your backward adds "
+            "(a scaled loss, retain_graph, extra terms) is left out. Put gradient changes in on_after_backward or "
+            "on_before_optimizer_step (they run as usual), and loss terms in pipeline_loss.")
+    norms = [n for n, m in module.named_modules() if isinstance(m, BATCH_NORMS)]
+    if norms and micro_batches > 1:
+        found.append(
+            f"bfpp: {name} has batch normalization ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}): with "
+            f"micro_batches={micro_batches} it normalizes each micro-batch (the replica's batch / {micro_batches}) and "
+            f"updates its running statistics {micro_batches} times per step, so training differs from one process "
+            "with the whole batch (as under gradient accumulation). Use LayerNorm or GroupNorm for results that do "
+            "not depend on the micro-batch size.")
+    return found

@@ -19,7 +19,9 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .auto_layout import KNOBS, AutoLayout, decide, sample_inputs
 from .handover import GradHandover
-from .hooks import check_module, describe_contract, forward_not_the_pipeline, rank_zero_work_on_last_stage
+from .hooks import (
+    check_module, describe_contract, forward_not_the_pipeline, not_run_as_written, rank_zero_work_on_last_stage,
+)
 from .job import JobGuard
 from .launcher import CheckingLauncher
 from .lightning_private import (SubprocessScriptLauncher, materialize_distributed_module, optimizers_to_device,
@@ -363,7 +365,7 @@ class BFPPStrategy(ModelParallelStrategy):
             self._contract_announced = True
             rank_zero_info(describe_contract(module))
             for warning in (rank_zero_work_on_last_stage(module, self.spec.pipeline_parallel),
-                            forward_not_the_pipeline(module)):
+                            forward_not_the_pipeline(module), *not_run_as_written(module, self.spec.micro_batches)):
                 if warning is not None:
                     rank_zero_warn(warning)
         undecided = self.stage_layers == "auto" or (self.auto_layout is not None and not self._decided)

@@ -23,10 +23,26 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(self.norm(x)))
 
 
+class Counter(nn.Module):
+    """A parameter-free layer with state updated in training-mode forwards (like BatchNorm's running statistics):
+    how many forwards it ran and the sum of everything it saw (float64, so the order of the sum hardly matters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("input_sum", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            self.input_sum += x.detach().double().sum()
+        return x
+
+
 class StackNet(PipelineHooks, LightningModule):
     """embed -> blocks -> head; the ~15 lines that make it pipelinable are the three pipeline_* hooks."""
 
-    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd", tied: bool = False):
+    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd", tied: bool = False, counter: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.lr, self.opt = lr, opt
@@ -37,9 +53,13 @@ class StackNet(PipelineHooks, LightningModule):
             self.unembed = nn.Linear(DIM, DIM, bias=False)
             self.unembed.weight = self.embed.weight
         self.head = nn.Linear(DIM, CLASSES)
+        # counters after the input projection (first stage) and before the head (last stage)
+        self.counters = nn.ModuleList([Counter(), Counter()]) if counter else None
 
     def pipeline_layers(self):
-        return [self.embed, *self.blocks, *([self.unembed] if self.unembed is not None else []), self.head]
+        first, last = ([c] for c in self.counters) if self.counters is not None else ([], [])
+        tied = [self.unembed] if self.unembed is not None else []
+        return [self.embed, *first, *self.blocks, *tied, *last, self.head]
 
     def pipeline_loss(self, output, target):
         return F.cross_entropy(output, target)
@@ -92,12 +112,12 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
 
 def reference(
     steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0,
-    skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False,
+    skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False, counter: bool = False,
 ):
     """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
     Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1)."""
     torch.manual_seed(seed)
-    model = StackNet(opt=opt, tied=tied)
+    model = StackNet(opt=opt, tied=tied, counter=counter)
     opt = model.configure_optimizers()
     data = lightning_batches(global_batch, data_parallel)
     losses = []

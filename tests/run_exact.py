@@ -7,7 +7,8 @@ save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoi
 nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, and pid_dir/exceptionR =
 "<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
-precision (Trainer's, default 32-true), ac (activation_checkpointing). Every run also records "dtypes": p2p
+precision (Trainer's, default 32-true), ac (activation_checkpointing), counter (StackNet with two stateful
+parameter-free layers, in the first and the last stage; records every buffer). Every run also records "dtypes": p2p
 receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
@@ -135,7 +136,7 @@ def _dtypes(strategy, grads: dict[str, str]) -> dict:
 
 def run(cfg: dict, devices: int, out: Path) -> None:
     torch.manual_seed(0)
-    model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False))
+    model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
     strategy = BFPPStrategy(
         pipeline_parallel=cfg.get("pp", 1), loops=cfg.get("loops", 1), micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), groups=cfg.get("groups", 1),
@@ -176,7 +177,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
-        {"params": params, "local_shapes": local, "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history, "stats": strategy.step_stats,
+        {"params": params, "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}, "local_shapes": local, "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history, "stats": strategy.step_stats,
          "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes), **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
                                                        strategy.schedule.fsdp_actions(strategy.device_mesh["pipeline_parallel"].get_local_rank())]},
         out / f"rank{trainer.global_rank}.pt",

@@ -49,6 +49,7 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 2, "tied": True},
     {"pp": 2, "loops": 2, "m": 2, "stage_layers": "auto"},  # cut by measured layer times (minimum over ranks)
     {"pp": 2, "loops": 2, "m": 1},  # looped breadth-first with fewer micro-batches than pipeline ranks (a bubble)
+    {"pp": 2, "loops": 2, "m": 2, "counter": True, "eval": True},  # layers with state updated in forward
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -84,7 +85,8 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
     pp = cfg.get("pp", 1)
     dp = devices // pp
     ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"),
-                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False))
+                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
+    ref_params = {n: t for n, t in ref_params.items() if not n.startswith("counters.")}  # buffers: test_layer_state
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}
     for rank, r in enumerate(ranks):
@@ -124,6 +126,23 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
 def test_matches_single_process_reference(runs, devices, cfg):
     ranks = runs(devices)[({4: WORLD4, 2: WORLD2, 1: WORLD1}[devices]).index(cfg)]
     _check_against_reference(ranks, cfg, devices)
+
+
+def test_layer_state_is_updated_once_per_micro_batch_and_never_by_shape_inference(runs):
+    """A layer's buffers updated in training-mode forwards (BatchNorm's running statistics, counters) see each
+    micro-batch once, and nothing else: torch infers each stage's output shapes with one more forward (the real
+    first micro-batch on the first stage, uninitialised tensors on the others), which must leave no trace."""
+    cfg = next(c for c in WORLD2 if c.get("counter"))
+    ranks = runs(2)[WORLD2.index(cfg)]
+    state, _ = reference(STEPS, BATCH, 1, counter=True)
+    buffers = {n: b for r in ranks for n, b in r["buffers"].items()}  # each rank holds its own stages' layers
+    assert {n for n in buffers if n.startswith("counters.")} == {f"counters.{i}.{b}" for i in range(2) for b in ("calls", "input_sum")}
+    for i in range(2):
+        assert buffers[f"counters.{i}.calls"].item() == STEPS * cfg["m"]  # the whole batch, in m micro-batches
+        got, expected = buffers[f"counters.{i}.input_sum"].item(), state[f"counters.{i}.input_sum"].item()
+        # float32 inputs computed in micro-batches differ from the reference's by rounding (~1e-6 in this sum); one
+        # micro-batch more or less, or a forward on uninitialised memory, moves it by ~1 or more
+        assert abs(got - expected) <= 1e-4, (i, got, expected)
 
 
 @pytest.mark.parametrize("devices", [4, 2])

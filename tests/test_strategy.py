@@ -248,3 +248,22 @@ def test_a_forward_that_is_not_the_pipeline_is_named():
     assert forward_not_the_pipeline(StackNet(n_blocks=2)) is None  # forward = self.pipeline_forward(x)
     warning = forward_not_the_pipeline(Scaled(n_blocks=2))
     assert "Scaled.forward is never called under strategy='bfpp'" in warning and "pipeline_forward(x)" in warning
+
+
+def test_what_bfpp_runs_differently_is_named():
+    """A user's own backward is never called, and batch normalization sees micro-batches: both get a warning."""
+    from lightning_bfpp.hooks import not_run_as_written
+
+    class Normed(StackNet):
+        def __init__(self):
+            super().__init__(n_blocks=2)
+            self.blocks[0].norm = nn.BatchNorm1d(16)
+
+        def backward(self, loss, *args, **kwargs):
+            (2 * loss).backward()
+
+    assert not_run_as_written(StackNet(n_blocks=2), micro_batches=4) == []
+    backward, norm = not_run_as_written(Normed(), micro_batches=4)
+    assert "Normed.backward is never called under strategy='bfpp'" in backward and "on_after_backward" in backward
+    assert "batch normalization (blocks.0.norm)" in norm and "updates its running statistics 4 times per step" in norm
+    assert len(not_run_as_written(Normed(), micro_batches=1)) == 1  # one micro-batch: the whole replica batch

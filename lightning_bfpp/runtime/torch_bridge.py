@@ -20,6 +20,7 @@ check_version("torch")
 if not (
     hasattr(_torch_schedules, "_PipelineScheduleRuntime")
     and hasattr(getattr(_torch_schedules, "_ComputationType", None), "REDUCE_GRAD")
+    and hasattr(PipelineStage, "_forward_metadata_inference")
 ):
     raise ImportError(
         f"lightning-bfpp needs torch.distributed.pipelining's schedule runtime with UNSHARD/RESHARD/REDUCE_GRAD "
@@ -59,6 +60,8 @@ def build_runtime(
         PipelineStage(mod, stage_index=s, num_stages=spec.num_stages, device=device, group=group)
         for s, mod in sorted(modules.items())
     ]
+    for stage in stages:
+        leave_no_trace_of_shape_inference(stage)
     runtime = _torch_schedules._PipelineScheduleRuntime(
         stages, n_microbatches=spec.micro_batches, loss_fn=loss_fn, scale_grads=True
     )
@@ -66,6 +69,30 @@ def build_runtime(
     # and its FSDP prefetch policy is not ours). The stage->rank map is torch's default "loop" style.
     runtime.pipeline_order_with_comms = to_torch_actions(schedule)
     return runtime, stages
+
+
+def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
+    """torch infers a stage's output shapes by running its module once more before the first micro-batch (on
+    the real first micro-batch on the first stage, on uninitialised tensors elsewhere), in the module's mode:
+    that forward would update its buffers (BatchNorm running statistics, counters: with garbage on later
+    stages) and draw random numbers (dropout). Wrap ``_forward_metadata_inference`` (private: the only place that
+    forward runs) so buffers are restored and the random state is forked. Public alternative checked: static
+    shapes (``PipelineStage(input_args=..., output_args=...)``) need every stage's output shapes known up front."""
+    inner = stage._forward_metadata_inference
+    device = stage.device
+
+    def isolated(*args, **kwargs):
+        saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
+        accelerators = [] if device.type == "cpu" else [device]
+        try:
+            with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
+                return inner(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+    stage._forward_metadata_inference = isolated
 
 
 def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, float, float], None],

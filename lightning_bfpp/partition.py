@@ -246,6 +246,17 @@ class RemoteLayer(nn.Module):
             "outside the Trainer, export the checkpoint (python -m lightning_bfpp.checkpoint) and load it in one process."
         )
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            where = self.__dict__.get("where", "a layer")
+            raise AttributeError(
+                f"layer {where} lives on another pipeline rank: `.{name}` is not on this one. Code every rank runs "
+                "(configure_optimizers, callbacks) should take parameters from self.named_parameters() or a module's "
+                ".parameters() (this rank's own: empty for a layer that lives elsewhere), not from a layer's attributes."
+            ) from None
+
     def extra_repr(self) -> str:
         return self.where
 

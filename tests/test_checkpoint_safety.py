@@ -291,3 +291,30 @@ def test_strategy_resume_refuses_planted_files(tmp_path):
         assert not marker.exists()
     for rank in (0, 1):  # under torchrun every rank names the file (rank 1 does not read it: rank 0 failed)
         assert f"[rank{rank}]: lightning_bfpp.checkpoint.safety.UnsafeCheckpointError: {files[1]}" in out, out[-3000:]
+
+
+def test_param_group_settings_added_after_the_save_keep_their_values(tmp_path):
+    """An LR scheduler made after the save adds `initial_lr` to the param groups (Lightning's lr_find saves, runs
+    its own scheduler on the user's optimizer, then restores): the restore loads the saved lr and state and keeps
+    `initial_lr`; another setting the checkpoint lacks is kept with a warning; missing optimizer state still fails."""
+    folder = tmp_path / "step-1.ckpt"
+    _save(folder, opt="adamw")
+    plain, plain_optims = _fresh("adamw")
+    ckpt.load(folder, plain, plain_optims)  # no scheduler: the reference restore
+    model, optims = _fresh("adamw")
+    torch.optim.lr_scheduler.LinearLR(optims[0], start_factor=0.5)  # lr 0.05, initial_lr 0.1
+    ckpt.load(folder, model, optims)
+    group = optims[0].param_groups[0]
+    assert group["lr"] == 0.1 and group["initial_lr"] == 0.1
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(optims[0].state[p]["exp_avg"], plain_optims[0].state[q]["exp_avg"])
+    model, optims = _fresh("adamw")
+    optims[0].param_groups[0]["my_setting"] = 3
+    with pytest.warns(UserWarning, match=r"param groups have my_setting, which the checkpoint does not"):
+        ckpt.load(folder, model, optims)
+    assert optims[0].param_groups[0]["my_setting"] == 3
+    model, optims = _fresh("adamw")
+    optims[0].state[next(model.parameters())]["extra"] = torch.zeros(1)  # state the checkpoint does not hold
+    with pytest.raises(ckpt.CheckpointError, match=r"extra"):
+        ckpt.load(folder, model, optims)

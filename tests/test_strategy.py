@@ -267,3 +267,15 @@ def test_what_bfpp_runs_differently_is_named():
     assert "Normed.backward is never called under strategy='bfpp'" in backward and "on_after_backward" in backward
     assert "batch normalization (blocks.0.norm)" in norm and "updates its running statistics 4 times per step" in norm
     assert len(not_run_as_written(Normed(), micro_batches=1)) == 1  # one micro-batch: the whole replica batch
+
+
+def test_a_layer_of_another_rank_names_itself_when_its_attributes_are_used():
+    """configure_optimizers writing param groups from layer attributes (self.inp.weight) runs on every rank: on a
+    rank where the layer is a placeholder the error says where it lives and what to use instead."""
+    from lightning_bfpp.partition import RemoteLayer
+
+    layer = RemoteLayer("inp", stage=0, rank=0)
+    with pytest.raises(AttributeError, match=r"layer inp \(stage 0, pipeline rank 0\) lives on another pipeline rank: "
+                                             r"`.weight` is not on this one.*self.named_parameters\(\)"):
+        layer.weight
+    assert list(layer.parameters()) == [] and not hasattr(layer, "bias")

@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -41,6 +42,11 @@ class LayerCall:
                 names.add(p.name)
         self.keywords = None if names is None else frozenset(names)
 
+    def recompute_contexts(self) -> tuple[Any, Any]:
+        """Activation checkpointing's (forward, recompute) contexts: the recompute in backward leaves the layer's
+        buffers as the forward left them (BatchNorm would otherwise update its running statistics twice)."""
+        return nullcontext(), buffers_kept(self.layer)
+
     def arguments(self, value: Any, side: Mapping[str, Any] | None) -> tuple[tuple, dict[str, Any]]:
         """(args, kwargs) for this layer from the previous layer's output `value` and the side inputs."""
         if isinstance(value, tuple):
@@ -55,6 +61,19 @@ class LayerCall:
                 if key not in taken and (self.keywords is None or key in self.keywords):
                     kwargs[key] = v
         return args, kwargs
+
+
+@contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Run a forward that must leave no trace on `module`'s buffers (BatchNorm running statistics, counters):
+    a forward again for activation checkpointing's recompute, or torch's shape inference. Restores them after."""
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 def side_inputs_of(module: Any) -> Any:

@@ -184,7 +184,8 @@ class StageModule(nn.Module):
             try:
                 # tensors passed as separate arguments: checkpoint saves them through autograd (so the
                 # saved-activation meter counts them) and re-runs layer(*inputs) in backward
-                out = checkpoint(call.layer, *inputs, use_reentrant=False, **kw) if recompute else call.layer(*inputs, **kw)
+                out = checkpoint(call.layer, *inputs, use_reentrant=False, context_fn=call.recompute_contexts, **kw) \
+                    if recompute else call.layer(*inputs, **kw)
             except Exception as error:  # say where in the pipeline, and what came in (e.g. a new sequence length)
                 keywords = f", keywords {', '.join(kw)}" if kw else ""
                 error.add_note(

@@ -50,6 +50,7 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 2, "stage_layers": "auto"},  # cut by measured layer times (minimum over ranks)
     {"pp": 2, "loops": 2, "m": 1},  # looped breadth-first with fewer micro-batches than pipeline ranks (a bubble)
     {"pp": 2, "loops": 2, "m": 2, "counter": True, "eval": True},  # layers with state updated in forward
+    {"pp": 2, "loops": 2, "m": 2, "counter": True, "ac": True},  # ... and recomputed in backward
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -128,15 +129,16 @@ def test_matches_single_process_reference(runs, devices, cfg):
     _check_against_reference(ranks, cfg, devices)
 
 
-def test_layer_state_is_updated_once_per_micro_batch_and_never_by_shape_inference(runs):
+@pytest.mark.parametrize("cfg", [c for c in WORLD2 if c.get("counter")], ids=lambda c: "ac" if c.get("ac") else "plain")
+def test_layer_state_is_updated_once_per_micro_batch_and_never_by_shape_inference(runs, cfg):
     """A layer's buffers updated in training-mode forwards (BatchNorm's running statistics, counters) see each
     micro-batch once, and nothing else: torch infers each stage's output shapes with one more forward (the real
-    first micro-batch on the first stage, uninitialised tensors on the others), which must leave no trace."""
-    cfg = next(c for c in WORLD2 if c.get("counter"))
+    first micro-batch on the first stage, uninitialised tensors on the others), and activation checkpointing runs
+    each forward again in backward; neither may leave a trace."""
     ranks = runs(2)[WORLD2.index(cfg)]
     state, _ = reference(STEPS, BATCH, 1, counter=True)
     buffers = {n: b for r in ranks for n, b in r["buffers"].items()}  # each rank holds its own stages' layers
-    assert {n for n in buffers if n.startswith("counters.")} == {f"counters.{i}.{b}" for i in range(2) for b in ("calls", "input_sum")}
+    assert {n for n in buffers if n.startswith("counters.")} == {f"counters.{i}.{b}" for i in range(2) for b in ("calls", "input_sum", "one")}
     for i in range(2):
         assert buffers[f"counters.{i}.calls"].item() == STEPS * cfg["m"]  # the whole batch, in m micro-batches
         got, expected = buffers[f"counters.{i}.input_sum"].item(), state[f"counters.{i}.input_sum"].item()

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from ..layer_io import buffers_kept
 from ..schedule import Op, Schedule
 from ..versions import check_version
 
@@ -82,15 +83,10 @@ def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
     device = stage.device
 
     def isolated(*args, **kwargs):
-        saved = [(b, b.detach().clone()) for b in stage.submod.buffers()]
         accelerators = [] if device.type == "cpu" else [device]
-        try:
-            with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else "cuda"):
-                return inner(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
+        with buffers_kept(stage.submod), torch.random.fork_rng(
+                devices=accelerators, device_type=device.type if accelerators else "cuda"):
+            return inner(*args, **kwargs)
 
     stage._forward_metadata_inference = isolated
 

@@ -193,3 +193,17 @@ def not_run_as_written(module: nn.Module, micro_batches: int) -> list[str]:
             "with the whole batch (as under gradient accumulation). Use LayerNorm or GroupNorm for results that do "
             "not depend on the micro-batch size.")
     return found
+
+
+def check_callbacks(callbacks: list) -> None:
+    """Raise naming a callback strategy='bfpp' cannot honour: StochasticWeightAveraging copies the whole module
+    before the model is cut and pairs its parameters with this rank's stages in order (wrong weights, or a shape
+    error), then runs a forward outside the pipeline; Lightning refuses it for FSDP and DeepSpeed likewise."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
+        raise ValueError(
+            "StochasticWeightAveraging does not work under strategy='bfpp': it keeps a copy of the whole model and "
+            "pairs its parameters with this rank's pipeline stages in order (Lightning refuses it for sharded "
+            "strategies too). Average weights in a callback of your own over pl_module.parameters() (each rank "
+            "holds its own stages), or use strategy='auto'/'ddp' for SWA.")

@@ -30,13 +30,13 @@ class CheckingLauncher(SubprocessScriptLauncher):
     Lightning's own child observer is replaced by ``ChildObserver``: Lightning's SIGKILLs the launching process
     5 s after a child's failure (exit 137, racing the watchdog's exit code); this one waits for the watchdog."""
 
-    def __init__(self, check: Callable[[str | None], None], *args: Any) -> None:
+    def __init__(self, check: Callable[[str | None, Any], None], *args: Any) -> None:
         super().__init__(*args)
         self._check = check
 
     @override
     def launch(self, function, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        self._check(ckpt_path_of(function, args, kwargs))
+        self._check(ckpt_path_of(function, args, kwargs), trainer)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()

@@ -20,7 +20,8 @@ from . import checkpoint as ckpt
 from .auto_layout import KNOBS, AutoLayout, decide, sample_inputs
 from .handover import GradHandover
 from .hooks import (
-    check_module, describe_contract, forward_not_the_pipeline, not_run_as_written, rank_zero_work_on_last_stage,
+    check_callbacks, check_module, describe_contract, forward_not_the_pipeline, not_run_as_written,
+    rank_zero_work_on_last_stage,
 )
 from .job import JobGuard
 from .launcher import CheckingLauncher
@@ -288,9 +289,11 @@ class BFPPStrategy(ModelParallelStrategy):
         self._set_world(self.world_size, len(layers))
         rank_zero_info(line)
 
-    def _check_before_launch(self, ckpt_path: str | None = None) -> None:
+    def _check_before_launch(self, ckpt_path: str | None = None, trainer=None) -> None:
         if self.lightning_module is not None and self.runner is None:  # once built, the model is already cut
             self.check_model(self.lightning_module)
+        if trainer is not None:
+            check_callbacks(trainer.callbacks)
         ckpt.check_path(ckpt_path, trust=self.trust_checkpoints)  # exists, complete, plain data only
 
     @override
@@ -334,8 +337,9 @@ class BFPPStrategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
+        check_callbacks(trainer.callbacks)  # again on every rank: under torchrun/SLURM no launcher has checked it
         if self.runner is None:
-            self.check_model(module)  # again on every rank: under torchrun/SLURM no launcher has checked it
+            self.check_model(module)
             self.runner = self._build_pipeline(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -191,6 +191,7 @@ def test_plan_stages_checks_the_model_without_changing_it():
     [
         ({"pipeline_parallel": 2, "loops": 4}, r"8 stages \(pipeline_parallel x loops\) need at least as many layers"),
         ({"pipeline_parallel": 2, "stage_layers": [1, 1]}, r"stage_layers=\[1, 1\] .* summing to the 4 layers"),
+        ({"pipeline_parallel": 2, "callbacks": "swa"}, r"StochasticWeightAveraging does not work under strategy='bfpp'"),
     ],
 )
 def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwargs, match):
@@ -207,8 +208,12 @@ def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwar
         raise AssertionError("a child process was started")
 
     monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", no_children)
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    callbacks = [StochasticWeightAveraging(swa_lrs=0.05)] if kwargs.pop("callbacks", None) == "swa" else []
     trainer = Trainer(accelerator="cpu", devices=2, strategy=BFPPStrategy(**kwargs), max_steps=1, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                      callbacks=callbacks)
     start = time.monotonic()
     with pytest.raises(ValueError, match=match):
         trainer.fit(StackNet(n_blocks=2), loader(8))

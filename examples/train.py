@@ -242,16 +242,42 @@ def trainer_arguments(cfg: DictConfig) -> dict:
     return kwargs
 
 
-def checkpoint_callback(cfg: DictConfig, run_dir: Path) -> ModelCheckpoint | None:
-    """`last.ckpt` at the end of training (checkpoint.last, as Lightning's default checkpointing) and
-    `step-N.ckpt` every checkpoint.every_n_steps steps; None when both are off."""
+class LastCheckpoint(Callback):
+    """`<run dir>/checkpoints/last.ckpt`: the newest state, written with every `step-N.ckpt` and when training ends
+    (also when max_steps stops it mid-epoch, before Lightning counts the epoch as done, so it resumes exactly),
+    replaced in place (a run resumed into the same directory too). Lightning's own `save_last` skips the end of
+    training once it has saved a periodic checkpoint (last.ckpt stayed at the last multiple of every_n_steps)."""
+
+    def __init__(self, path: Path, every_n_steps: int):
+        self.path, self.every, self.saved_at = path, every_n_steps, -1
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if self.every > 0 and trainer.global_step % self.every == 0:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save(trainer)
+
+    def _save(self, trainer: L.Trainer) -> None:
+        if trainer.global_step != self.saved_at and not trainer.fast_dev_run and trainer.global_step > 0:
+            trainer.save_checkpoint(self.path)
+            self.saved_at = trainer.global_step
+
+
+def checkpoint_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
+    """`step-N.ckpt` every checkpoint.every_n_steps steps (the newest checkpoint.keep of them; a run resumed into
+    the same directory replaces a step's file) and `last.ckpt` (checkpoint.last)."""
     every, last = int(cfg.checkpoint.every_n_steps), bool(cfg.checkpoint.get("last", True))
-    if every <= 0 and not last:
-        return None
-    # "step-200.ckpt": no '=' in the name, so `ckpt_path=<dir>/step-200.ckpt` needs no quoting for Hydra
-    return ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step-{step}", auto_insert_metric_name=False,
-                           every_n_train_steps=every if every > 0 else None, save_top_k=int(cfg.checkpoint.keep) if every > 0 else 0,
-                           monitor="step", mode="max", save_last=last, save_on_train_epoch_end=True)
+    callbacks: list[Callback] = []
+    if every > 0:
+        # "step-200.ckpt": no '=' in the name, so `ckpt_path=<dir>/step-200.ckpt` needs no quoting for Hydra
+        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step-{step}",
+                                         auto_insert_metric_name=False, every_n_train_steps=every,
+                                         save_top_k=int(cfg.checkpoint.keep), monitor="step", mode="max",
+                                         enable_version_counter=False))
+    if last:
+        callbacks.append(LastCheckpoint(run_dir / "checkpoints" / "last.ckpt", every))
+    return callbacks
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
@@ -283,9 +309,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     callbacks: list[Callback] = [metrics]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=10))
-    checkpoints = checkpoint_callback(cfg, run_dir)
-    if checkpoints is not None:
-        callbacks.append(checkpoints)
+    checkpoints = checkpoint_callbacks(cfg, run_dir)
+    callbacks += checkpoints
     loggers = build_loggers(cfg, run_dir, run_name)
     if loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -299,7 +324,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         strategy=build_strategy(cfg),
         logger=loggers or False,
         callbacks=callbacks,
-        enable_checkpointing=checkpoints is not None,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in checkpoints),
         default_root_dir=str(run_dir),
     )
     if trainer.is_global_zero:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from lightning_bfpp.checkpoint import read_meta
 from procenv import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +135,10 @@ def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
     run_dir = tmp_path / "run"
     one_process = ["cluster=cpu_1", "schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.micro_batches=2",
                    "logger=wandb", "data.batch_size=8", "model.tie_weights=true"]
-    run_cli([*one_process, *FAST, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    run_cli([*one_process, *FAST, "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-2.ckpt"]
+    assert read_meta(checkpoints / "last.ckpt")["global_step"] == 3  # the end of training, not the last step-N
     summary = read_summary(run_dir)
     assert summary["schedule"] == "breadth_first" and summary["pipeline_parallel"] == 1
     assert summary["micro_batches"] == 2 and summary["data_parallel"] == 1
@@ -160,6 +164,12 @@ def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
     assert wandb_run(resumed)[0] == run_id  # the same W&B run, continued
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 4
     assert (resumed / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # and it keeps checkpointing
+
+    # resumed into its own directory: last.ckpt and the step files are replaced in place (no last-v1.ckpt)
+    run_cli([*one_process, *FAST, "trainer.max_steps=5", "checkpoint.every_n_steps=2", "logger=csv",
+             f"ckpt_path={checkpoints / 'last.ckpt'}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-2.ckpt", "step-4.ckpt"]
+    assert read_meta(checkpoints / "last.ckpt")["global_step"] == 5
 
 
 # ---- several processes (Lightning's popen launcher, torchrun) ----

@@ -175,7 +175,7 @@ class GPT(PipelineHooks, L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)  # the global batch's mean, as bfpp logs it
         return loss
 
     def _eval(self, batch, metrics: MetricCollection) -> torch.Tensor:

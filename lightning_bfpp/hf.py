@@ -277,7 +277,7 @@ class CausalLM(PipelineHooks, LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, targets = batch
         loss = self.pipeline_loss(self(input_ids), targets)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # the global batch's mean, as bfpp logs it
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -32,7 +32,7 @@ from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
 from data import CorpusDataModule  # noqa: E402  (examples/data.py)
 from lightning_bfpp.hf import CausalLM  # noqa: E402  (imports no transformers)
-from lightning_bfpp.metrics import PipelineMetrics  # noqa: E402
+from lightning_bfpp.metrics import PipelineMetrics, run_layout  # noqa: E402
 
 log = logging.getLogger(__name__)
 rundir.register_resolvers()  # the run directory's name in conf/train.yaml (examples/run_dir.py)
@@ -242,6 +242,26 @@ def trainer_arguments(cfg: DictConfig) -> dict:
     return kwargs
 
 
+class RunConfig(Callback):
+    """The loggers' run config (W&B config, CSV hparams.yaml): the composed config, with the schedule knobs the
+    strategy runs (schedule.layout=auto picks them at start), plus world_size, data_parallel and params."""
+
+    def __init__(self, config: dict, params: int):
+        self.config, self.params = config, params
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
+        layout = run_layout(trainer)
+        config = {**self.config, "world_size": trainer.world_size, "data_parallel": layout.pop("data_parallel"),
+                  "params": self.params}
+        if "schedule" in layout:  # under bfpp: what runs, in the schedule group's own keys
+            name = layout.pop("schedule")
+            config["schedule"] = {**config["schedule"], **layout, "name": name}
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)
+
+
 class LastCheckpoint(Callback):
     """`<run dir>/checkpoints/last.ckpt`: the newest state, written with every `step-N.ckpt` and when training ends
     (also when max_steps stops it mid-epoch, before Lightning counts the epoch as done, so it resumes exactly),
@@ -293,8 +313,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight is one Parameter: counted once
     pp = s.pipeline_parallel if bfpp else 1
     tp = s.get("tensor_parallel", 1) if bfpp else 1
-    layout = {"world_size": world_size(cfg), "data_parallel": None if auto else world_size(cfg) // (pp * tp),
-              "params": n_params}
     metrics = PipelineMetrics(
         # 6 N + 12 L C T (model.n_layer, n_embd, block_size): also for the HF models (N counts SwiGLU and GQA as built)
         flops_per_token=flops_per_token(cfg.model, n_params),
@@ -306,7 +324,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
                        "loops": s.loops if bfpp else 1, "micro_batches": s.micro_batches if bfpp else 1},
         log_schedule=bool(cfg.logger.get("log_schedule", True)),
     )
-    callbacks: list[Callback] = [metrics]
+    callbacks: list[Callback] = [metrics, RunConfig(OmegaConf.to_container(cfg, resolve=True), n_params)]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=10))
     checkpoints = checkpoint_callbacks(cfg, run_dir)
@@ -327,9 +345,6 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in checkpoints),
         default_root_dir=str(run_dir),
     )
-    if trainer.is_global_zero:
-        for logger in loggers:
-            logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), **layout})
     started = datetime.now()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if trainer.is_global_zero:

@@ -34,6 +34,19 @@ def _scalar(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def run_layout(trainer: L.Trainer) -> dict[str, Any]:
+    """The layout that runs, read from the strategy (under layout='auto' decided at start, so the config's values
+    may differ): a BFPPStrategy's schedule knobs, sharding and stage cut; data_parallel = world size otherwise."""
+    strategy = trainer.strategy
+    spec = getattr(strategy, "spec", None)
+    if spec is None:
+        return {"data_parallel": trainer.world_size}
+    return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "data_parallel": strategy.data_parallel,
+            "tensor_parallel": strategy.tensor_parallel, "loops": spec.loops, "micro_batches": spec.micro_batches,
+            "groups": spec.groups, "sharding": strategy.sharding, "reshard_after_forward": spec.reshard_after_forward,
+            "stage_layers": strategy.stage_layers}
+
+
 class PipelineMetrics(Callback):
     """Logs per step: `tokens_per_s`, `step_s`, `model_flops_per_s`, `mfu` (when `peak_flops` is given),
     `bubble_fraction`, `compute_s` and `mem/<kind>_max` (max over ranks) from `strategy.step_stats`.
@@ -178,11 +191,7 @@ class PipelineMetrics(Callback):
             bubble_fraction=mean("bubble_fraction"),
             strategy=type(strategy).__name__,
         )
-        for key in ("schedule_name", "pipeline_parallel", "data_parallel", "loops", "micro_batches"):
-            value = getattr(strategy, key, None)
-            if value is not None:
-                out["schedule" if key == "schedule_name" else key] = value
-        out.setdefault("data_parallel", trainer.world_size)
+        out.update(run_layout(trainer))
         stats = getattr(strategy, "step_stats", None)
         if stats and stats.get("memory") is not None:
             out["memory"] = stats["memory"]

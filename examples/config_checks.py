@@ -50,6 +50,7 @@ def _is_number(value) -> bool:
 def check_config(cfg: DictConfig) -> None:
     """Raise ConfigError for the first illegal app setting (see the module comment for what is left out)."""
     check_trainer_keys(cfg)
+    check_run_keys(cfg)
     check_precision(cfg)
     check_model_and_data(cfg)
     check_optim(cfg)
@@ -76,6 +77,48 @@ def check_trainer_keys(cfg: DictConfig) -> None:
     if cfg.trainer.get("strategy") not in ("bfpp", "auto"):
         raise ConfigError(f"trainer.strategy={cfg.trainer.get('strategy')!r}: use trainer.strategy=bfpp (pipelined) "
                           "or trainer.strategy=auto (plain Lightning, for comparison).")
+
+
+def _is_int(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# (key, holds, rule, fix): values Lightning, the loggers or the app would take without a word or fail on only
+# after the processes start (a ZeroDivisionError for val_check_interval=0 or accumulate_grad_batches=0)
+RUN_RULES = [
+    ("trainer.val_check_interval", lambda v: v is None or _is_int(v, 1) or (isinstance(v, float) and 0 < v <= 1),
+     "must be a number of batches >= 1 or a fraction of an epoch in (0, 1]", "e.g. trainer.val_check_interval=100"),
+    ("trainer.accumulate_grad_batches", lambda v: _is_int(v, 1), "must be an integer >= 1",
+     "e.g. trainer.accumulate_grad_batches=1"),
+    ("trainer.gradient_clip_val", lambda v: v is None or (_is_number(v) and v >= 0), "must be >= 0 or null",
+     "trainer.gradient_clip_val=null for no clipping"),
+    ("checkpoint.every_n_steps", lambda v: _is_int(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
+    ("checkpoint.keep", lambda v: _is_int(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
+    ("data.num_workers", lambda v: _is_int(v, 0), "must be an integer >= 0", "0: load in the training process"),
+]
+WANDB_MODES = ("offline", "online")
+
+
+def check_run_keys(cfg: DictConfig) -> None:
+    """Keys of the run around the model: the schedule group, validation and accumulation, clipping,
+    checkpoints, data workers, the W&B mode, and an accelerator this machine has."""
+    if OmegaConf.is_missing(cfg.schedule, "name"):
+        raise ConfigError("schedule=base holds the knobs every schedule shares, it is not a schedule; use "
+                          "schedule=breadth_first, depth_first, gpipe or 1f1b.")
+    for key, holds, rule, fix in RUN_RULES:
+        value = OmegaConf.select(cfg, key)
+        if not holds(value):
+            raise ConfigError(f"{key}={value!r} {rule}; {fix}.")
+    if cfg.logger.get("name") == "wandb" and cfg.logger.get("mode") not in WANDB_MODES:
+        raise ConfigError(f"logger.mode={cfg.logger.get('mode')!r}: use logger.mode={' or '.join(WANDB_MODES)}, or "
+                          "logger=csv / logger=none for no W&B run.")
+    accelerator = cfg.cluster.get("accelerator")
+    if accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster.accelerator={accelerator} (cluster={cfg.cluster.get('name')}): this machine has no "
+                              "usable GPU (torch.cuda.is_available() is False); use cluster=cpu_1, cpu_2 or cpu_4 here.")
 
 
 def check_precision(cfg: DictConfig) -> None:

@@ -156,6 +156,14 @@ CHECKS = [  # (overrides, what the error must say)
     (["+trainer.enable_checkpointing=false"], "checkpoint.last=false"),
     (["+trainer.max_epoch=1"], "trainer.max_epoch=1 is not an argument of lightning.Trainer; did you mean trainer.max_epochs?"),
     (["trainer.strategy=ddp"], "trainer.strategy='ddp': use trainer.strategy=bfpp"),
+    # accepted without a word, or failing only after the processes started (a user's try)
+    (["schedule=base"], "schedule=base holds the knobs every schedule shares, it is not a schedule"),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be a number of batches >= 1"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
+    (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1 must be >= 0 or null"),
+    (["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps=-1 must be an integer >= 0"),
+    (["data.num_workers=-1"], "data.num_workers=-1 must be an integer >= 0"),
+    (["logger=wandb", "logger.mode=bogus"], "logger.mode='bogus': use logger.mode=offline or online"),
 ]
 ACCEPTED = [
     [], ["+trainer.max_epochs=1", "+trainer.limit_train_batches=5"], ["trainer.precision=bf16-mixed"],
@@ -181,8 +189,15 @@ def test_app_setting_is_checked_before_launch(overrides, message):
 
 
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) or "defaults" for o in ACCEPTED])
-def test_legal_settings_pass_the_checks(overrides):
+def test_legal_settings_pass_the_checks(overrides, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # cluster=gpu_8 is legal where there are GPUs
     check_config(_compose(overrides))
+
+
+def test_a_gpu_cluster_without_a_gpu_names_the_cluster(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"cluster.accelerator=gpu \(cluster=gpu_8\): this machine has no usable GPU"):
+        check_config(_compose(["cluster=gpu_8"]))
 
 
 @pytest.mark.parametrize("overrides", [["data.max_bytes=50"], ["data.max_bytes=30000"], ["data.max_bytes=9000", "data.batch_size=64"],

@@ -318,3 +318,13 @@ def test_param_group_settings_added_after_the_save_keep_their_values(tmp_path):
     optims[0].state[next(model.parameters())]["extra"] = torch.zeros(1)  # state the checkpoint does not hold
     with pytest.raises(ckpt.CheckpointError, match=r"extra"):
         ckpt.load(folder, model, optims)
+
+
+def test_export_names_an_output_it_cannot_write(tmp_path):
+    folder = tmp_path / "step-1.ckpt"
+    _save(folder)
+    with pytest.raises(SystemExit, match=r"is a folder: give the file to write, e.g. .*model.ckpt"):
+        ckpt.main([str(folder), str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"the folder .*nowhere does not exist; create it first"):
+        ckpt.main([str(folder), str(tmp_path / "nowhere" / "model.ckpt")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1.ckpt"]  # nothing written

@@ -337,6 +337,10 @@ def export(checkpoint_dir: Path, out: Path, trust: bool = False) -> dict[str, to
     checkpoint_dir, out, trust = Path(checkpoint_dir), Path(out), trusted(trust)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"{checkpoint_dir} is not a bfpp checkpoint folder.{newest_note(checkpoint_dir)}")
+    if out.is_dir():
+        raise CheckpointError(f"out={str(out)!r} is a folder: give the file to write, e.g. {out / 'model.ckpt'}.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"out={str(out)!r}: the folder {out.parent} does not exist; create it first.")
     metadata, meta, manifest = check_folder(checkpoint_dir, trust)
     verify_checksums(checkpoint_dir, manifest)
     prefix = "state_dict."

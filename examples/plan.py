@@ -24,11 +24,48 @@ import run_dir  # noqa: E402  (the run directory's name)
 run_dir.register_resolvers()
 
 
+def _ints(least: int):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def check_plan(cfg: DictConfig) -> None:
+    """Exit 2 naming the key when a setting would otherwise be truncated, ignored or reported as 'does not fit'."""
+    from lightning_bfpp.schedule.actions import SCHEDULES
+    from lightning_bfpp.sim.cost import SHARDINGS
+
+    def each(test):
+        return lambda v: v is not None and len(v) > 0 and all(test(x) for x in v)
+
+    rules = [  # (key, holds, what it must be)
+        ("data.batch_size", _ints(1), "an integer >= 1 (the global batch)"),
+        ("model.n_layer", _ints(1), "an integer >= 1"), ("model.n_head", _ints(1), "an integer >= 1"),
+        ("plan.top", _ints(1), "an integer >= 1 (rows printed)"),
+        ("plan.schedules", each(lambda x: x in SCHEDULES), f"a list of {', '.join(SCHEDULES)}"),
+        ("plan.shardings", each(lambda x: x in SHARDINGS), f"a list of {', '.join(SHARDINGS)}"),
+        ("plan.loops", each(_ints(1)), "a list of integers >= 1"),
+        ("plan.max_micro_batches", lambda v: v is None or _ints(1)(v), "an integer >= 1 or null"),
+        ("plan.max_groups", _ints(1), "an integer >= 1"),
+        ("plan.tensor_parallels", lambda v: v is None or each(_ints(1))(v), "a list of integers >= 1 or null"),
+        ("plan.runtime_waits", lambda v: v in ("fsdp", "cpu"), "fsdp or cpu"),
+    ]
+    for key, holds, rule in rules:
+        value = OmegaConf.select(cfg, key)
+        value = list(value) if OmegaConf.is_list(value) else value
+        if not holds(value):
+            sys.exit(f"error: {key}={value!r} must be {rule}.")
+    if cfg.model.n_embd % cfg.model.n_head:
+        sys.exit(f"error: model.n_embd={cfg.model.n_embd} must be divisible by model.n_head={cfg.model.n_head}.")
+    if cfg.model.get("family", "gpt") != "gpt":
+        print(f"note: model.family={cfg.model.family} is simulated as a GPT of the same n_layer x n_embd x vocab "
+              "(its own MLP width, key/value heads and tying are not modelled).", file=sys.stderr)
+
+
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from lightning_bfpp.sim import Cluster, Model, SimOptions
     from lightning_bfpp.sim.planner import format_table, search
 
+    check_plan(cfg)
     model, cluster = Model.from_dict(cfg.model), Cluster.from_dict(cfg.cluster)
     p = cfg.plan
     options = SimOptions(blocking_reduce=p.runtime_waits == "cpu")
@@ -41,12 +78,16 @@ def main(cfg: DictConfig) -> None:
                    residencies=("step",))  # the runtime keeps a stage's weights as its schedule lowers them
     elapsed = time.perf_counter() - start
     if not plans:
-        print(f"error: no layout of model={cfg.model.name} fits cluster={cfg.cluster.name} "
-              f"({cluster.device_memory / 1e9:.1f} GB per device, {cluster.memory_reserve / 1e9:.1f} GB reserved) with data.batch_size={cfg.data.batch_size}; "
-              "try a smaller batch, activation checkpointing, or more devices.", file=sys.stderr)
+        print(f"error: no layout of model={cfg.model.name} on cluster={cfg.cluster.name} with data.batch_size="
+              f"{cfg.data.batch_size} is both legal and fits: either plan.schedules / plan.loops / plan.tensor_parallels "
+              "allow no legal layout (tensor_parallel divides cluster.devices and model.n_head; pipeline_parallel x loops "
+              "<= model.n_layer + 2; the batch splits over data_parallel x micro_batches), or none fits "
+              f"{cluster.device_memory / 1e9:.1f} GB per device ({cluster.memory_reserve / 1e9:.1f} GB reserved): then try a "
+              "smaller batch, activation checkpointing, or more devices.", file=sys.stderr)
         sys.exit(1)
     print(f"model={cfg.model.name} cluster={cfg.cluster.name} ({cluster.world_size} devices) "
-          f"data.batch_size={cfg.data.batch_size}: {len(plans)} layouts fit, searched in {elapsed:.1f} s\n")
+          f"data.batch_size={cfg.data.batch_size}: {len(plans)} fitting layouts simulated in full (the others could not "
+          f"reach the top {p.top}: skipped by a step-time bound), searched in {elapsed:.1f} s\n")
     print(format_table(plans, int(p.top)))
     best = plans[0]
     overrides = best.candidate.overrides(cluster=cfg.cluster.name, model=cfg.model.name,

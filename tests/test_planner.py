@@ -176,3 +176,16 @@ def test_first_top_plans_are_the_true_best(top):
         want = sorted((p.tokens_per_second_per_device for p in kept), reverse=True)[:top]
         assert len(kept) > 3 * top, len(kept)  # the search had something to skip
         assert [round(p.tokens_per_second_per_device, 6) for p in got] == [round(v, 6) for v in want], batch
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.batch_size=2.5", "data.batch_size=2.5 must be an integer >= 1"),
+    ("plan.runtime_waits=bogus", "plan.runtime_waits='bogus' must be fsdp or cpu"),
+    ("plan.schedules=[bogus]", "plan.schedules=['bogus'] must be a list of breadth_first"),
+    ("plan.loops=[0]", "plan.loops=[0] must be a list of integers >= 1"),
+    ("model.n_head=3", "model.n_embd=128 must be divisible by model.n_head=3"),
+])
+def test_plan_cli_names_a_setting_it_would_truncate_or_ignore(tmp_path, override, message):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan.py"), override, "plan.out=null"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0 and f"error: {message}" in proc.stderr, proc.stderr[-2000:]

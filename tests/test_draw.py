@@ -35,3 +35,22 @@ def test_draw_from_timeline(tmp_path):
     result = simulate(build_schedule(ScheduleSpec("1f1b", pipeline_parallel=2, loops=1, micro_batches=4)), unit_costs(2, 2, unshard=0.3, reduce=0.3))
     assert draw_schedule(result.timeline, tmp_path / "t.png").stat().st_size > 5000
     assert draw_schedule(result, tmp_path / "r.png").stat().st_size > 5000
+
+
+def _cli(tmp_path, *args):
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "draw_schedule.py"), *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+def test_cli_names_settings_it_would_truncate_or_ignore(tmp_path):
+    proc = _cli(tmp_path, "schedule.micro_batches=2.5", f"out={tmp_path / 'x.png'}")
+    assert proc.returncode == 2 and "schedule.micro_batches=2.5 must be an integer" in proc.stderr
+    proc = _cli(tmp_path, "costs=model", "data_parallel=1000", f"out={tmp_path / 'x.png'}")
+    assert proc.returncode == 2 and "do not fit cluster=cpu_2 (2 devices)" in proc.stderr
+    # costs=model draws tensor parallel's cost: tp=2 is another picture than tp=1
+    pictures = []
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.png"
+        assert _cli(tmp_path, "costs=model", "cluster=gpu_8", f"schedule.tensor_parallel={tp}", f"out={out}").returncode == 0
+        pictures.append(out.read_bytes())
+    assert pictures[0] != pictures[1]

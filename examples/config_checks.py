@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
-            "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size", "trainer.max_steps")
+            "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size")
 OPTIMIZERS = ("adamw", "sgd")  # examples/gpt.py GPT.configure_optimizers
 FAMILIES = ("gpt", "hf_gpt2", "hf_llama")  # model.family: examples/train.py build_model
 # Trainer arguments examples/train.py sets from other keys: `trainer.<key>` would be overridden or conflict.
@@ -102,6 +102,10 @@ WANDB_MODES = ("offline", "online")
 def check_run_keys(cfg: DictConfig) -> None:
     """Keys of the run around the model: the schedule group, validation and accumulation, clipping,
     checkpoints, data workers, the W&B mode, and an accelerator this machine has."""
+    steps, epochs = OmegaConf.select(cfg, "trainer.max_steps"), OmegaConf.select(cfg, "trainer.max_epochs")
+    if not (_is_int(steps, 1) or (steps == -1 and _is_int(epochs, 1))):
+        raise ConfigError(f"trainer.max_steps={steps!r} must be a positive integer, or -1 (no step limit) with "
+                          "+trainer.max_epochs=N; e.g. trainer.max_steps=400.")
     if OmegaConf.is_missing(cfg.schedule, "name"):
         raise ConfigError("schedule=base holds the knobs every schedule shares, it is not a schedule; use "
                           "schedule=breadth_first, depth_first, gpipe or 1f1b.")

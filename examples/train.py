@@ -319,7 +319,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         peak_flops=cfg.cluster.peak_flops,
         out_dir=run_dir,
         summary_extra={"model": cfg.model.name, "cluster": cfg.cluster.name, "params": n_params,
-                       "global_batch_size": cfg.data.batch_size, "block_size": cfg.model.block_size,
+                       # sequences per optimizer step: data.batch_size per batch x the batches accumulated
+                       "global_batch_size": cfg.data.batch_size * cfg.trainer.accumulate_grad_batches,
+                       "block_size": cfg.model.block_size,
                        "schedule": s.name if bfpp else "none", "pipeline_parallel": pp, "tensor_parallel": tp,
                        "loops": s.loops if bfpp else 1, "micro_batches": s.micro_batches if bfpp else 1},
         log_schedule=bool(cfg.logger.get("log_schedule", True)),

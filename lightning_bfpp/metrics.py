@@ -62,7 +62,8 @@ class PipelineMetrics(Callback):
         summary_extra: constant entries added to summary.json (e.g. the config's schedule settings).
         log_schedule: draw the strategy's schedule once and log it (W&B image, file in out_dir).
         warmup_steps: steps left out of the summary's averages (first steps pay for setup).
-        validate_at_end: also validate after the last step (`trainer.max_steps`), so the summary's
+        validate_at_end: also validate after the last step (`trainer.max_steps`, or the last batch of the last of
+            `trainer.max_epochs`), so the summary's
             `val_loss` is the final model's, whatever `val_check_interval` is.
     """
 
@@ -114,7 +115,8 @@ class PipelineMetrics(Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=key in ("tokens_per_s", "bubble_fraction"))
         loss = _scalar(trainer.callback_metrics.get("train_loss"))
         self.history.append({"step": trainer.global_step, **row, **({"train_loss": loss} if loss is not None else {})})
-        if self.validate_at_end and 0 < trainer.max_steps <= trainer.global_step:
+        last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+        if self.validate_at_end and (0 < trainer.max_steps <= trainer.global_step or (last_epoch and trainer.is_last_batch)):
             trainer.should_stop = True  # the epoch loop validates when asked to stop (see _should_check_val_fx)
 
     def _rates(self, trainer: L.Trainer, step_s: float, tokens: int, samples: int) -> dict[str, float]:

@@ -129,6 +129,17 @@ def test_cli_plain_lightning_writes_summary_and_csv(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # saved at the end by default
 
 
+def test_cli_trains_for_epochs_and_validates_the_final_model(tmp_path):
+    """trainer.max_steps=-1 with +trainer.max_epochs: the LR schedule spans Lightning's estimated steps and the
+    summary's val_loss is the final model's (validated after the last batch of the last epoch)."""
+    run_cli(["cluster=cpu_1", "trainer.strategy=auto", "logger=none", "trainer.enable_progress_bar=false",
+             "trainer.max_steps=-1", "+trainer.max_epochs=1", "data.max_bytes=60000", "trainer.limit_val_batches=2",
+             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 27  # one epoch: 57000 training bytes hold 890 windows of 65 bytes, 27 batches of 32
+    assert summary["val_step"] == 27 and 0 < summary["val_loss"] < 6
+
+
 def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
     """Logs, the run config, the schedule image; a run resumed from its last.ckpt continues the same W&B run
     and keeps checkpointing."""

@@ -157,6 +157,7 @@ CHECKS = [  # (overrides, what the error must say)
     (["+trainer.max_epoch=1"], "trainer.max_epoch=1 is not an argument of lightning.Trainer; did you mean trainer.max_epochs?"),
     (["trainer.strategy=ddp"], "trainer.strategy='ddp': use trainer.strategy=bfpp"),
     # accepted without a word, or failing only after the processes started (a user's try)
+    (["trainer.max_steps=-1"], "trainer.max_steps=-1 must be a positive integer, or -1 (no step limit) with +trainer.max_epochs=N"),
     (["schedule=base"], "schedule=base holds the knobs every schedule shares, it is not a schedule"),
     (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be a number of batches >= 1"),
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
@@ -171,6 +172,7 @@ ACCEPTED = [
     ["trainer.strategy=auto", "cluster=gpu_8", "trainer.precision=16-mixed"],
     ["data.max_bytes=30000", "trainer.limit_val_batches=0"],  # no validation: no validation split needed
     ["optim=sgd", "optim.lr=1e-4", "optim.warmup_steps=0", "optim.min_lr_ratio=1"],
+    ["trainer.max_steps=-1", "+trainer.max_epochs=2"],  # epoch-bounded training
 ]
 
 

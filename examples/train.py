@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 if __package__:  # `python -m examples.train` (Lightning's launcher relaunches it so): the example's modules are here
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir as rundir  # noqa: E402
-from config_checks import check_config  # noqa: E402
+from config_checks import ConfigError, check_config  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
@@ -210,7 +210,11 @@ def prepare_relaunch() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
-    check_config(cfg)  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
+    try:  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
+        check_config(cfg)
+    except ConfigError as err:  # a setting to fix, not a crash: the message alone, exit 2
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     env_before = dict(os.environ)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     launches_children = "LOCAL_RANK" not in os.environ and not os.environ.get("SLURM_NTASKS")

@@ -37,8 +37,8 @@ __all__ = ["CheckpointError", "UnsafeCheckpointError", "TRUST_ENV", "MANIFEST", 
 # blocks.3.fc.weight.lr"): every rank saves and loads exactly its parameters' entries, whatever the layout.
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 MODEL_OPTIONS = StateDictOptions()
-LIGHTNING_PATHS = ("last", "best", "hpc")
-SCHEDULER_SETTINGS = {"initial_lr"}  # what torch's LR schedulers add to param groups: kept quietly when not saved  # resolved by Lightning itself, after launch
+LIGHTNING_PATHS = ("last", "best", "hpc")  # resolved by Lightning itself, after launch
+SCHEDULER_SETTINGS = {"initial_lr"}  # what torch's LR schedulers add to param groups: kept quietly when not saved
 Shapes = dict[str, "tuple[int, ...] | None"]
 
 
@@ -252,7 +252,8 @@ def load(
         renamed = _saved_names(wanted, f"optimizer_{i}", saved, aliases)
         # param-group settings the checkpoint lacks (e.g. `initial_lr`, which an LR scheduler made after the save
         # adds, as Lightning's lr_find does) keep their current values; missing optimizer *state* still fails
-        kept = {k: v for k, v in wanted.items() if k.startswith("param_groups.") and f"optimizer_{i}.{renamed.get(k, k)}" not in saved}
+        kept = {k: v for k, v in wanted.items()
+                if k.startswith("param_groups.") and f"optimizer_{i}.{renamed.get(k, k)}" not in saved}
         request = {f"optimizer_{i}": {renamed.get(k, k): v for k, v in wanted.items() if k not in kept}}
         _dcp_load(request, path, trust)
         back = {v: k for k, v in renamed.items()}

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.checkpoint import checkpoint
 
 from .schedule.layout import balanced_layout  # noqa: F401  (also imported from here)
@@ -164,11 +165,17 @@ class StageModule(nn.Module):
     # and runs its forward again there (torch.utils.checkpoint, non-reentrant). Wrapping happens here, per
     # call, so no module is wrapped and parameter names and state-dict keys stay the model's own.
     activation_checkpointing: bool = False
+    # Set by the strategy when FSDP computes the stage in a lower precision than its parameters ("bf16-mixed",
+    # sharded): FSDP casts the stage's float inputs to it, and the side inputs computed here (rotary cos/sin,
+    # masks: in the default dtype) are cast alike, as a model's own forward makes them in its hidden states' dtype.
+    side_input_dtype: torch.dtype | None = None
 
     def forward(self, *args, **kwargs):
         side = None
         if self._side_inputs is not None and kwargs:
             side = compute_side_inputs(self._side_inputs, stage_inputs(kwargs))
+            if self.side_input_dtype is not None:
+                side = apply_to_collection(side, torch.Tensor, _cast_float, self.side_input_dtype)
         out = args if len(args) != 1 else args[0]
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         order = ", ".join(c.name for c in self._calls)
@@ -231,6 +238,10 @@ def describe(values: Sequence[Any]) -> str:
         f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
         for v in values
     )
+
+
+def _cast_float(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 class RemoteLayer(nn.Module):

@@ -46,5 +46,7 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
         return False
     last = dims.num_stages - 1
     for s, stage in modules.items():
-        shard_stage(stage, mesh[DP], stage_mixed_precision(precision, last_stage=s == last))
+        policy = stage_mixed_precision(precision, last_stage=s == last)
+        shard_stage(stage, mesh[DP], policy)
+        stage.side_input_dtype = policy.param_dtype if policy is not None else None
     return precision == "bf16-mixed"

@@ -284,6 +284,10 @@ class CausalLM(PipelineHooks, LightningModule):
         input_ids, targets = batch
         self.log("val_loss", self.pipeline_loss(self(input_ids), targets), sync_dist=True)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The logits of a batch of input ids, or of (input_ids, targets) pairs (under every strategy)."""
+        return self(self.pipeline_inputs(batch)[0])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self._optimizer is not None:
             return self._optimizer(self.parameters())

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layer_io import LayerCall, compute_side_inputs, side_inputs_of
+from .layer_io import LayerCall, compute_side_inputs, describe_structure, side_inputs_of
 
 
 class PipelineHooks:
@@ -23,7 +23,8 @@ class PipelineHooks:
         (mean-reduced, like ``F.cross_entropy``).
 
     Optional:
-        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``. ``inputs``
+        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``, ``(x,)`` or the
+        tensor ``x`` (target None: prediction). ``inputs``
         (a tensor or a flat tuple of tensors) are the first layer's arguments.
         ``pipeline_side_inputs(inputs)``: a dict of values every layer may need besides its input (position ids,
         rotary cos/sin, an attention mask), computed once per micro-batch on every stage from that micro-batch's
@@ -51,8 +52,14 @@ class PipelineHooks:
         raise NotImplementedError("define pipeline_loss(output, target) to return a micro-batch's loss")
 
     def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
-        inputs, target = batch
-        return inputs, target
+        if isinstance(batch, torch.Tensor):  # inputs alone (e.g. a prediction loader): no target
+            return batch, None
+        if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):  # (inputs,) from TensorDataset(x), or (inputs, target)
+            return batch[0], batch[1] if len(batch) == 2 else None
+        raise TypeError(
+            f"the default pipeline_inputs(batch) takes a batch (inputs, target), (inputs,) or an inputs tensor; got "
+            f"{describe_structure(batch)}: define pipeline_inputs(batch) -> (inputs, target) on {type(self).__name__}."
+        )
 
     def pipeline_side_inputs(self, inputs: Any) -> dict[str, Any]:
         return {}

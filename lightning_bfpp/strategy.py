@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from .auto_layout import KNOBS, AutoLayout, decide, sample_inputs
 from .handover import GradHandover
 from .hooks import (
-    check_callbacks, check_module, describe_contract, forward_not_the_pipeline, not_run_as_written,
+    PipelineHooks, check_callbacks, check_module, describe_contract, forward_not_the_pipeline, not_run_as_written,
     rank_zero_work_on_last_stage,
 )
 from .job import JobGuard
@@ -467,6 +467,10 @@ class BFPPStrategy(ModelParallelStrategy):
         module = self.lightning_module
         self._job.progress(module.trainer.global_step)
         inputs, target = module.pipeline_inputs(args[0])
+        if target is None and getattr(type(module), "pipeline_inputs", None) is PipelineHooks.pipeline_inputs:
+            raise ValueError(f"a training batch of {type(module).__name__} holds inputs only: strategy='bfpp' trains on "
+                             "(inputs, target) batches (pipeline_loss(output, target)); return both from the training "
+                             "loader, or define pipeline_inputs(batch) -> (inputs, target).")
         params = [p for p in module.parameters() if p.requires_grad]
         train_metrics = getattr(module, "pipeline_train_metrics", None)
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.

@@ -121,3 +121,15 @@ def test_the_check_draws_no_random_numbers():
 def test_a_router_loss_that_is_not_trained_is_named():
     with pytest.warns(UserWarning, match=r"output_router_logits=True, but its router's auxiliary loss is not part of pipeline_loss"):
         CausalLM(build("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
+
+
+def test_predict_step_takes_input_ids_alone_or_pairs():
+    """Inference loaders yield input ids alone (a tensor, or TensorDataset(x)'s 1-tuples) or (input_ids, targets)
+    pairs: CausalLM.predict_step gives the model's logits for each (under bfpp via pipeline_inputs(batch)[0])."""
+    model = build("llama").eval()
+    lm = CausalLM(model)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for batch in (ids, (ids,), (ids, ids.roll(-1, 1))):
+            torch.testing.assert_close(lm.predict_step(batch, 0), expected, rtol=0, atol=0)

@@ -284,3 +284,15 @@ def test_a_layer_of_another_rank_names_itself_when_its_attributes_are_used():
                                              r"`.weight` is not on this one.*self.named_parameters\(\)"):
         layer.weight
     assert list(layer.parameters()) == [] and not hasattr(layer, "bias")
+
+
+def test_default_pipeline_inputs_take_pairs_one_tuples_and_bare_inputs():
+    """(x, y) trains; (x,) and a bare tensor x (prediction loaders) give target None; anything else names the hook."""
+    import torch
+
+    model = StackNet(n_blocks=2)
+    x, y = torch.zeros(2, 16), torch.zeros(2, dtype=torch.long)
+    assert model.pipeline_inputs((x, y)) == (x, y) and model.pipeline_inputs([x, y]) == (x, y)
+    assert model.pipeline_inputs((x,)) == (x, None) and model.pipeline_inputs(x) == (x, None)
+    with pytest.raises(TypeError, match=r"got tuple\(float32\[2, 16\], int64\[2\], int64\[2\]\): define pipeline_inputs"):
+        model.pipeline_inputs((x, y, y))

@@ -138,18 +138,40 @@ class WandbRunId(Callback):
         pass  # read before the logger is built (stored_wandb_id); the current run's id stays
 
 
-def stored_wandb_id(ckpt_path: str | None) -> str | None:
-    """The W&B run id a checkpoint (bfpp folder or plain file) was written under; None if it has none or
-    cannot be read (the strategy's pre-launch check names a bad ckpt_path)."""
+def checkpoint_meta(ckpt_path: str | None) -> dict:
+    """Lightning's metadata of `ckpt_path` (a bfpp folder or a plain file), read without running code from it
+    (BFPP_TRUST_CHECKPOINTS=1 to trust it); {} when there is none or it cannot be read (the strategy's
+    pre-launch check names a bad ckpt_path)."""
     if not ckpt_path:
-        return None
+        return {}
     from lightning_bfpp.checkpoint import read_meta
 
     try:
-        meta = read_meta(ckpt_path)  # never runs code from the file (BFPP_TRUST_CHECKPOINTS=1 to trust it)
-        return meta.get("callbacks", {}).get(WandbRunId.__qualname__, {}).get("id")
-    except Exception:  # noqa: BLE001 - any unreadable checkpoint: a new W&B run
-        return None
+        return read_meta(ckpt_path)
+    except Exception:  # noqa: BLE001 - any unreadable checkpoint
+        return {}
+
+
+def stored_wandb_id(ckpt_path: str | None) -> str | None:
+    """The W&B run id a checkpoint was written under; None if it has none or cannot be read."""
+    return checkpoint_meta(ckpt_path).get("callbacks", {}).get(WandbRunId.__qualname__, {}).get("id")
+
+
+MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "tie_weights")
+
+
+def check_resume_model(cfg: DictConfig) -> None:
+    """`ckpt_path=` of an example GPT trained with other model.* shapes: name them in the app's keys (the strategy
+    would name the mismatched parameters, and suggest a LightningModule setting the app has no key for)."""
+    saved = checkpoint_meta(cfg.ckpt_path).get("hyper_parameters", {}).get("cfg")
+    if not isinstance(saved, dict) or cfg.model.get("family", "gpt") != "gpt":
+        return
+    differ = [k for k in MODEL_SHAPE if k in saved and saved[k] != cfg.model.get(k)]
+    if differ:
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path} was trained with {', '.join(f'model.{k}={saved[k]}' for k in differ)}; this run "
+            f"has {', '.join(f'model.{k}={cfg.model.get(k)}' for k in differ)}. Resume with the checkpoint's settings ("
+            + " ".join(f"model.{k}={saved[k]}" for k in differ) + "), or start without ckpt_path.")
 
 
 def wandb_id() -> str:
@@ -212,6 +234,7 @@ def prepare_relaunch() -> None:
 def main(cfg: DictConfig) -> dict | None:
     try:  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
         check_config(cfg)
+        check_resume_model(cfg)
     except ConfigError as err:  # a setting to fix, not a crash: the message alone, exit 2
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -4,6 +4,8 @@
 # overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher).
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +45,20 @@ def process_group_timeout(strategy: ModelParallelStrategy) -> timedelta | None:
     """The `timeout` given to ModelParallelStrategy (``_timeout``; it applies it to the default process group only).
     Public alternative checked: none; the strategy does not expose it."""
     return strategy._timeout
+
+
+@contextmanager
+def process_group_timeout_at_least(strategy: ModelParallelStrategy, least: timedelta) -> Iterator[timedelta | None]:
+    """Within the block the strategy's ``_timeout`` is at least `least` (ModelParallelStrategy's
+    ``_setup_distributed`` gives it to init_process_group, whose rendezvous waits for every process to start);
+    yields the requested timeout. Public alternative checked: none; Lightning passes ``_timeout`` itself."""
+    requested = strategy._timeout
+    if requested is not None:
+        strategy._timeout = max(requested, least)
+    try:
+        yield requested
+    finally:
+        strategy._timeout = requested
 
 
 # torchmetrics Metric state that user_steps.py carries across the pipeline group, so a metric the user logs on the

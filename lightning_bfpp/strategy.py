@@ -26,7 +26,8 @@ from .hooks import (
 from .job import JobGuard
 from .launcher import CheckingLauncher
 from .lightning_private import (SubprocessScriptLauncher, materialize_distributed_module, optimizers_to_device,
-                                process_group_timeout, set_module_device_mesh, unwrap_optimizer)
+                                process_group_timeout, process_group_timeout_at_least, set_module_device_mesh,
+                                unwrap_optimizer)
 from .measure import check_every_n_steps, measure_now, step_stats
 from .nonfinite import NonfiniteLoss
 from .parallel import DP, PP, TP, build_mesh, clip_grad_norm_global, forget_groups, share_from_ranks
@@ -40,6 +41,7 @@ from .schedule import Schedule, ScheduleSpec, build_schedule
 from .schedule.dims import LayoutError, Names, ParallelDims, default_pipeline_parallel
 from .stages import cut, parallelize
 from .tensor_parallel import grads_like_params, layer_plans
+from .torch_private import set_default_group_timeout
 from .user_steps import run_on_last_stage, user_step
 
 
@@ -57,6 +59,8 @@ def _ragged_tail(dataloader: object) -> int:
         return 0
     return len(sampler) % batch_size
 
+
+STARTUP_TIMEOUT = timedelta(minutes=5)  # the least the rendezvous waits for every process to start
 
 class BFPPStrategy(ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
@@ -91,7 +95,8 @@ class BFPPStrategy(ModelParallelStrategy):
         max_consecutive_skips: with nonfinite_loss="skip", the bound on consecutive skipped batches (default 5).
         process_group_backend: as in ModelParallelStrategy.
         timeout: bound on every distributed wait — collectives, p2p, the store (a timedelta or seconds; default
-            30 min, torch's). A rank that dies or fails ends the job long before: see ``lightning_bfpp.watchdog``.
+            30 min, torch's), except the start-up rendezvous (at least ``STARTUP_TIMEOUT``: processes start at
+            different times). A rank that dies or fails ends the job long before: see ``lightning_bfpp.watchdog``.
         measure_every_n_steps: when ``step_stats`` (bubble, compute time, per-rank bytes, saved-activation peak: an
             all-gather over the world and a saved-tensor hook) are measured: None (default) on Lightning's logging
             steps (``Trainer(log_every_n_steps=...)``) and the last step (``max_steps``); N every N-th step; 0 never.
@@ -262,7 +267,12 @@ class BFPPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        # the rendezvous waits for every process to start (imports, a slow file system, a loaded machine): at least
+        # STARTUP_TIMEOUT; afterwards every wait is bounded by `timeout` again
+        with process_group_timeout_at_least(self, STARTUP_TIMEOUT) as requested:
+            self._setup_distributed()
+        if requested is not None and requested < STARTUP_TIMEOUT:
+            set_default_group_timeout(requested)
         if self.auto_layout is not None and not self._decided:
             self._decide_layout()  # before the mesh, the datamodule's setup and the samplers depend on it
         self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.launcher)

@@ -21,6 +21,16 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def set_default_group_timeout(timeout) -> None:
+    """The default process group's timeout, and its store's, once the group exists (the rendezvous that created
+    it may have waited longer, for every process to start). Why private: ``_set_pg_timeout`` is torch's only way
+    to change a live group's timeout. Public alternatives checked: ``init_process_group(timeout=)`` (one value for
+    the rendezvous and every later collective), ``new_group(timeout=)`` (Lightning's own collectives use the
+    default group); ``Store.set_timeout`` is public."""
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    default_store().set_timeout(timeout)
+
+
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local part read as a plain attribute (``_local_tensor``), else `t`. Why private: this runs inside
     saved-tensor hooks, where the public ``DTensor.to_local()`` would record an autograd op (and run the hooks

@@ -7,7 +7,8 @@ save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoi
 nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, and pid_dir/exceptionR =
 "<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
-precision (Trainer's, default 32-true), ac (activation_checkpointing), counter (StackNet with two stateful
+precision (Trainer's, default 32-true), ac (activation_checkpointing), late_rank + late_s (that local rank
+sleeps before its process group exists), counter (StackNet with two stateful
 parameter-free layers, in the first and the last stage; records every buffer). Every run also records "dtypes": p2p
 receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -135,6 +136,8 @@ def _dtypes(strategy, grads: dict[str, str]) -> dict:
 
 
 def run(cfg: dict, devices: int, out: Path) -> None:
+    if int(os.environ.get("LOCAL_RANK", 0)) == cfg.get("late_rank"):  # this process starts late (before any group)
+        time.sleep(cfg["late_s"])
     torch.manual_seed(0)
     model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
     strategy = BFPPStrategy(

@@ -81,6 +81,15 @@ def test_stuck_rank_ends_the_job_by_the_timeout(tmp_path):
     assert said and all(re.search(r"timed? ?out", why.lower()) and "rank 3 did not reach step 1" in why for _, why in said), said
 
 
+def test_a_rank_that_starts_later_than_the_timeout_still_joins(tmp_path):
+    """`timeout` bounds the waits of a running job; the rendezvous waits for every process to start (at least
+    STARTUP_TIMEOUT): a rank starting 15 s late with timeout=10 trains (it failed: 'waiting for clients' under load)."""
+    start = time.monotonic()
+    ranks = run_lightning(tmp_path, 2, [{"pp": 2, "loops": 1, "m": 2, "timeout": 10, "late_rank": 1, "late_s": 15}],
+                          timeout=120)
+    assert time.monotonic() - start > 15 and len(ranks[0]) == 2 and ranks[0][0]["losses"] == ranks[0][1]["losses"]
+
+
 def test_failing_rank_under_torchrun(tmp_path):
     with pytest.raises(AssertionError, match="injected failure on rank 1") as failure:
         run_torchrun(tmp_path, 2, [{"pp": 2, "loops": 1, "m": 2, "fail_rank": 1}], timeout=100)

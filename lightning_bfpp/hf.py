@@ -8,6 +8,7 @@
 # nothing is downloaded.
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -153,6 +154,13 @@ def attention_mask(seq: int, window: int | None, implementation: str, dtype: tor
     return torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+@functools.cache
+def _rotary_per_type(cls: type) -> bool:
+    """Whether a rotary module class makes cos/sin per attention type (``forward(x, position_ids, layer_type)``):
+    read once per class, not per micro-batch."""
+    return "layer_type" in inspect.signature(cls.forward).parameters
+
+
 def causal_lm_side_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, Any]:
     """What the model's own forward computes once and hands to every decoder layer: position ids, rotary cos/sin
     (in the default dtype: bf16 under precision='bf16-true') and the attention mask, per attention type when
@@ -162,7 +170,7 @@ def causal_lm_side_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str
     config = model.config
     base = base_model(model)
     rotary = getattr(base, "rotary_emb", None)
-    per_type_rotary = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    per_type_rotary = rotary is not None and _rotary_per_type(type(rotary))
     types = attention_types(model) if hasattr(config, "num_hidden_layers") else ["full_attention"]
     per_type: dict[str, dict[str, Any]] = {}
     for kind in dict.fromkeys(types):

@@ -34,8 +34,9 @@ class ConfigError(ValueError):
     """An illegal value of a key of examples/train.py's config."""
 
 
-def _is_positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def is_int(value, least: int = 1) -> bool:
+    """An integer (not a bool, not a float such as 2.5) of at least `least`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _default(value, default):
@@ -79,22 +80,18 @@ def check_trainer_keys(cfg: DictConfig) -> None:
                           "or trainer.strategy=auto (plain Lightning, for comparison).")
 
 
-def _is_int(value, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
 # (key, holds, rule, fix): values Lightning, the loggers or the app would take without a word or fail on only
 # after the processes start (a ZeroDivisionError for val_check_interval=0 or accumulate_grad_batches=0)
 RUN_RULES = [
-    ("trainer.val_check_interval", lambda v: v is None or _is_int(v, 1) or (isinstance(v, float) and 0 < v <= 1),
+    ("trainer.val_check_interval", lambda v: v is None or is_int(v, 1) or (isinstance(v, float) and 0 < v <= 1),
      "must be a number of batches >= 1 or a fraction of an epoch in (0, 1]", "e.g. trainer.val_check_interval=100"),
-    ("trainer.accumulate_grad_batches", lambda v: _is_int(v, 1), "must be an integer >= 1",
+    ("trainer.accumulate_grad_batches", lambda v: is_int(v, 1), "must be an integer >= 1",
      "e.g. trainer.accumulate_grad_batches=1"),
     ("trainer.gradient_clip_val", lambda v: v is None or (_is_number(v) and v >= 0), "must be >= 0 or null",
      "trainer.gradient_clip_val=null for no clipping"),
-    ("checkpoint.every_n_steps", lambda v: _is_int(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
-    ("checkpoint.keep", lambda v: _is_int(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
-    ("data.num_workers", lambda v: _is_int(v, 0), "must be an integer >= 0", "0: load in the training process"),
+    ("checkpoint.every_n_steps", lambda v: is_int(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
+    ("checkpoint.keep", lambda v: is_int(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
+    ("data.num_workers", lambda v: is_int(v, 0), "must be an integer >= 0", "0: load in the training process"),
 ]
 WANDB_MODES = ("offline", "online")
 
@@ -103,7 +100,7 @@ def check_run_keys(cfg: DictConfig) -> None:
     """Keys of the run around the model: the schedule group, validation and accumulation, clipping,
     checkpoints, data workers, the W&B mode, and an accelerator this machine has."""
     steps, epochs = OmegaConf.select(cfg, "trainer.max_steps"), OmegaConf.select(cfg, "trainer.max_epochs")
-    if not (_is_int(steps, 1) or (steps == -1 and _is_int(epochs, 1))):
+    if not (is_int(steps, 1) or (steps == -1 and is_int(epochs, 1))):
         raise ConfigError(f"trainer.max_steps={steps!r} must be a positive integer, or -1 (no step limit) with "
                           "+trainer.max_epochs=N; e.g. trainer.max_steps=400.")
     if OmegaConf.is_missing(cfg.schedule, "name"):
@@ -158,7 +155,7 @@ def check_model_and_data(cfg: DictConfig) -> None:
             raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
                               "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
     for key in POSITIVE + (("data.stride",) if get("data.stride") is not None else ()):
-        if not _is_positive_int(get(key)):
+        if not is_int(get(key)):
             raise ConfigError(f"{key}={get(key)!r} must be a positive integer; set {key}=1 or more.")
     fraction = get("data.val_fraction")
     if not (_is_number(fraction) and 0 < fraction < 1):

@@ -20,12 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir  # noqa: E402  (the run directory's name)
+from config_checks import is_int  # noqa: E402
 
 run_dir.register_resolvers()
 
 
 def _ints(least: int):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+    return lambda v: is_int(v, least)
 
 
 def check_plan(cfg: DictConfig) -> None:

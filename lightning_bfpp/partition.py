@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .schedule.layout import balanced_layout  # noqa: F401  (also imported from here)

@@ -19,8 +19,10 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python examples/train.py $(ARGS)
 
+# JOBS test processes (pytest-xdist), one test file each at a time so module fixtures run once; JOBS=0: serial
+JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile) $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)

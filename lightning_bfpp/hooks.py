@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -179,12 +180,29 @@ def forward_not_the_pipeline(module: nn.Module) -> str | None:
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
+_LOGGED_NAME = re.compile(r"""self\.log\(\s*f?["']([^"']+)["']|self\.log_dict\(""")
+
+
+def _logged_names(source: str | None) -> set[str]:
+    """The names a method's source logs with self.log("name", ...) ("self.log_dict(...)" for a log_dict call)."""
+    return {m.group(1) or "self.log_dict(...)" for m in _LOGGED_NAME.finditer(source or "")}
+
+
 def not_run_as_written(module: nn.Module, micro_batches: int) -> list[str]:
-    """Warnings for what the module defines that bfpp runs differently from one process: its own ``backward``
-    (the schedule runs backward per micro-batch) and batch normalization (statistics per micro-batch)."""
+    """Warnings for what the module defines that bfpp runs differently from one process: the logs of its own
+    ``training_step`` (not run), its own ``backward`` (the schedule runs backward per micro-batch) and batch
+    normalization (statistics per micro-batch)."""
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     name, found = type(module).__name__, []
+    lost = _logged_names(_user_source(module, "training_step")) - {"train_loss"} \
+        - _logged_names(_user_source(module, "pipeline_train_metrics"))
+    if lost:
+        found.append(
+            f"bfpp: {name}.training_step logs {', '.join(sorted(lost))}, which will not be logged: under "
+            "strategy='bfpp' training_step does not run (each step runs the pipeline schedule and logs train_loss). "
+            "Log training metrics from pipeline_train_metrics(output, target), which runs once per step on the last "
+            "stage with the step's output.")
     if is_overridden("backward", module):
         found.append(
             f"bfpp: {name}.backward is never called under strategy='bfpp': the schedule runs backward of every "

@@ -10,7 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.distributed import (_all_gather_ddp_if_available, _set_num_threads_if_needed,
+                                                    _sync_ddp_if_available)
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -35,6 +36,13 @@ set_num_threads_if_needed = _set_num_threads_if_needed
 # module has one), as ModelParallelStrategy does for its module. Public alternative checked: torch's
 # ``module.to_empty(device=...)`` + calling ``reset_parameters`` ourselves (the same, without Lightning's check).
 materialize_distributed_module = _materialize_distributed_module
+
+# Lightning's strategies' all_gather (stacked, optional gradient sync) and reduce ("mean"/"sum"/ReduceOp, gloo's
+# missing AVG, a barrier first) over a process group, for bfpp's collectives over the replicas
+# (replica_collectives.py) to behave as ModelParallelStrategy's own. Public alternative checked:
+# torch.distributed.all_gather / all_reduce (would drop those rules: the same calls, reimplemented).
+all_gather_if_distributed = _all_gather_ddp_if_available
+sync_if_distributed = _sync_ddp_if_available
 
 # Moves optimizer state tensors to the device after a checkpoint restore, as Lightning's strategies do. Public
 # alternative checked: none in Lightning or torch (Optimizer.load_state_dict casts to the params' device only).

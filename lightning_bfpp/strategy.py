@@ -33,6 +33,7 @@ from .nonfinite import NonfiniteLoss
 from .parallel import DP, PP, TP, build_mesh, clip_grad_norm_global, forget_groups, share_from_ranks
 from .partition import check_layout, plan_stages
 from .precision import pipeline_precision
+from .replica_collectives import ReplicaCollectives
 from .resume import skip_consumed_batches
 from .same_batch import check_same_batch
 from .runtime.layer_cost import auto_stage_layers
@@ -62,7 +63,7 @@ def _ragged_tail(dataloader: object) -> int:
 
 STARTUP_TIMEOUT = timedelta(minutes=5)  # the least the rendezvous waits for every process to start
 
-class BFPPStrategy(ModelParallelStrategy):
+class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
 
     Args:
@@ -529,7 +530,12 @@ class BFPPStrategy(ModelParallelStrategy):
         rank (see ``lightning_bfpp.user_steps``)."""
         assert self.runner is not None
         pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
-        return run_on_last_stage(self.lightning_module, method, self.runner.has_last_stage, pp_mesh.get_group(),
+
+        def on_last_stage() -> Any:
+            with self.last_stage_step():  # its barrier / broadcast over the ranks that run it
+                return method()
+
+        return run_on_last_stage(self.lightning_module, on_last_stage, self.runner.has_last_stage, pp_mesh.get_group(),
                                  self.spec.pipeline_parallel - 1, dp_mesh.get_group(), self.root_device)
 
     def _same_batch(self, batch: Any, where: str) -> None:

@@ -5,6 +5,7 @@
 # loggers' collectives (sync_dist, torchmetrics' sync) match on every rank.
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from torch import nn
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_mean
 
+from . import step_state
 from .lightning_private import metric_reductions, metric_step_value, set_metric_step_value
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
@@ -38,24 +40,28 @@ class MetricRef:
 
 @dataclass
 class StepRecord:
-    """What the last stage's user step did: its `self.log` calls (in order) and its return value."""
+    """What the last stage's user step did: its `self.log` calls (in order), its return value and what it
+    changed in the module's plain attributes."""
 
     calls: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     result: Any = None
+    state: list[step_state.StateChange] = field(default_factory=list)
 
 
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value.detach().to(device)
     if isinstance(value, (list, tuple)):
         return type(value)(_to(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
+        moved = copy.copy(value)  # keeps the dict's type (a defaultdict's factory)
+        moved.update((k, _to(v, device)) for k, v in value.items())
+        return moved
     return value
 
 
 def _cpu(value: Any) -> Any:
-    return _to(value.detach() if isinstance(value, torch.Tensor) else value, torch.device("cpu"))
+    return _to(value, torch.device("cpu"))
 
 
 def _same_inputs(args: tuple, expected: tuple) -> bool:
@@ -175,19 +181,24 @@ def run_on_last_stage(
     device: torch.device,
 ) -> tuple[Any, list[str]]:
     """Run `method` (a user step, with forward answered and logs recorded) where the last stage is, share what
-    it logged and returned over the pipeline group (`last_rank`: its group rank), replay the logs on every rank,
-    and return the step's result on every rank, with the names of the non-finite values it logged."""
+    it logged, returned and changed in the module's plain attributes (``step_state``) over the pipeline group
+    (`last_rank`: its group rank), replay the logs and the changes on every rank, and return the step's result
+    on every rank, with the names of the non-finite values it logged."""
     record, result = StepRecord(), None
     if holds_last_stage and method is not None:
+        before = step_state.snapshot(module)
         with recording_logs(module) as calls:
             result = method()
-        record = StepRecord(_pack(module, calls), result)
+        record = StepRecord(_pack(module, calls), result, step_state.changes(module, before))
     if pp_group is not None and dist.get_world_size(pp_group) > 1:  # the result crosses on the CPU, only here
-        box = [StepRecord(record.calls, _cpu(record.result))]
+        state = [step_state.StateChange(c.attribute, c.kind, _cpu(c.value)) for c in record.state]
+        box = [StepRecord(record.calls, _cpu(record.result), state)]
         dist.broadcast_object_list(box, group=pp_group, group_src=last_rank)
         record = box[0]
         if not holds_last_stage:
             result = _to(record.result, device)
+            step_state.apply(module, [step_state.StateChange(c.attribute, c.kind, _to(c.value, device))
+                                      for c in record.state])
     nonfinite = replay(module, record.calls, holds_last_stage, dp_group, device)
     return result, nonfinite
 

@@ -296,3 +296,28 @@ def test_default_pipeline_inputs_take_pairs_one_tuples_and_bare_inputs():
     assert model.pipeline_inputs((x,)) == (x, None) and model.pipeline_inputs(x) == (x, None)
     with pytest.raises(TypeError, match=r"got tuple\(float32\[2, 16\], int64\[2\], int64\[2\]\): define pipeline_inputs"):
         model.pipeline_inputs((x, y, y))
+
+
+def test_training_step_logs_that_will_not_run_are_named():
+    """training_step does not run under bfpp: what it logs (other than train_loss, or what
+    pipeline_train_metrics logs too) is named in a warning instead of vanishing."""
+    from lightning_bfpp.hooks import not_run_as_written
+
+    class Logs(StackNet):
+        def training_step(self, batch, batch_idx):
+            loss = self.pipeline_loss(self(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            self.log("grad_scale", 1.0)
+            self.log_dict({"lr_now": 0.1})
+            return loss
+
+    class Moved(Logs):
+        def pipeline_train_metrics(self, output, target):
+            self.log("grad_scale", 1.0)
+
+    [warning] = [w for w in not_run_as_written(Logs(n_blocks=2), 1) if "training_step" in w]
+    assert "Logs.training_step logs grad_scale, self.log_dict(...), which will not be logged" in warning
+    assert "pipeline_train_metrics" in warning and "train_loss," not in warning
+    [warning] = [w for w in not_run_as_written(Moved(n_blocks=2), 1) if "training_step" in w]
+    assert "grad_scale" not in warning
+    assert not [w for w in not_run_as_written(StackNet(n_blocks=2), 1) if "training_step" in w]

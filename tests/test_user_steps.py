@@ -30,7 +30,7 @@ LAUNCHES = {
 }
 # synced over data-parallel ranks, so equal to one process whatever dp is (the rest: only at dp=1)
 SYNCED = {"val_acc", "val_loss", "val_seen", "val_max_logit", "test_acc", "test_loss", "train_loss", "train_acc",
-          "train_acc_epoch", "lr-SGD"}
+          "train_acc_epoch", "lr-SGD", "val_samples"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,7 @@ def test_user_metrics_callbacks_and_predictions_equal_auto(runs, world, index, c
         replica = rank % dp  # the mesh is (pp, dp), dp innermost
         assert torch.equal(got["predictions"], ref["predictions"][replica::dp] if dp > 1 else ref["predictions"])
         assert got["validate"]["val_seen"] == VAL  # summed over replicas once, not once per pipeline rank
+        assert got["validate"]["val_samples"] == VAL  # counted by the steps, on every rank at epoch end
     csv, ref_csv = runs[(world, index)][0]["csv"], ref["csv"]
     assert [r.keys() for r in csv] == [r.keys() for r in ref_csv]
     columns = set(ref_csv[0]) if dp == 1 else SYNCED & set(ref_csv[0])
@@ -84,7 +85,14 @@ def test_replicas_pipeline_ranks_agree_on_local_values(runs):
     for replica in (0, 1):  # global rank = pipeline rank x 2 + replica
         a, b = ranks[replica], ranks[2 + replica]
         assert a["fit"]["val_loss_local"] == b["fit"]["val_loss_local"]
+        assert a["fit"]["val_epoch_loss"] == b["fit"]["val_epoch_loss"]  # the steps' list, on every pipeline rank
     assert ranks[0]["fit"]["val_loss_local"] != ranks[1]["fit"]["val_loss_local"]
+    assert ranks[0]["fit"]["val_epoch_loss"] != ranks[1]["fit"]["val_epoch_loss"]
+    # a step's all_gather and broadcast: the two replicas' losses, replica 0's loss, on every rank as under DDP
+    for rank in ranks:
+        assert rank["test"]["test_gathered"] == 2  # one entry per replica, not per process
+        assert rank["test"]["test_gathered_loss"] == pytest.approx(ranks[0]["test"]["test_gathered_loss"], abs=TOL)
+        assert rank["test"]["test_first_replica_loss"] == pytest.approx(ranks[0]["test"]["test_first_replica_loss"], abs=TOL)
 
 
 # ---- pieces, in one process ------------------------------------------------------------------------------------
@@ -191,3 +199,33 @@ def test_a_layer_returning_a_dict_is_named():
     stage = StageModule([("enc", Encoder()), ("head", torch.nn.Identity())], index=1, rank=1)
     with pytest.raises(TypeError, match=r"layer enc of stage 1 returned dict .* a tensor or a tuple of tensors"):
         stage(torch.zeros(2, 3))
+
+
+def test_step_state_changes_are_carried_to_the_other_ranks():
+    """What a step does to the module's plain attributes, replayed on a rank where it did not run."""
+    from collections import defaultdict
+
+    from lightning_bfpp import step_state
+
+    def make():
+        m = Classifier()
+        m.outputs, m.count, m.by_loader, m.kept = [torch.tensor(0.0)], 3, defaultdict(list), {"a": [1]}
+        return m
+
+    def step(m):
+        m.outputs.append(torch.tensor(1.0))
+        m.count += 1
+        m.by_loader[1].append("x")
+        m.kept["a"] = [7]  # replaced, not appended to
+        m.new_attribute = "set"
+
+    ran, other = make(), make()
+    before = step_state.snapshot(ran)
+    step(ran)
+    found = step_state.changes(ran, before)
+    assert {(c.attribute, c.kind) for c in found} == {("outputs", "extend"), ("count", "set"), ("by_loader", "set_key"),
+                                                      ("kept", "set_key"), ("new_attribute", "set")}
+    step_state.apply(other, found)
+    assert [float(t) for t in other.outputs] == [0.0, 1.0] and other.count == 4 and other.new_attribute == "set"
+    assert other.by_loader == {1: ["x"]} and other.kept == {"a": [7]} and isinstance(other.by_loader, defaultdict)
+    assert step_state.changes(ran, step_state.snapshot(ran)) == []  # a step that changes nothing carries nothing

@@ -36,6 +36,8 @@ class Classifier(PipelineHooks, LightningModule):
         self.train_acc = MulticlassAccuracy(CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(CLASSES, average="micro")
         self.test_acc = MulticlassAccuracy(CLASSES, average="micro")
+        self.val_losses: list[torch.Tensor] = []  # Lightning's pattern: collected per step, aggregated at epoch end
+        self.val_samples = 0
 
     # the pipeline hooks
     def pipeline_layers(self):
@@ -71,14 +73,29 @@ class Classifier(PipelineHooks, LightningModule):
         self.log("val_step_loss", loss, on_step=True, on_epoch=False)
         self.log("val_seen", float(len(y)), reduce_fx="sum", sync_dist=True)
         self.log_dict({"val_max_logit": logits.max()}, reduce_fx="max", sync_dist=True)
+        self.val_losses.append(loss)
+        self.val_samples += len(y)
         return {"n": len(y)}
+
+    def on_validation_epoch_end(self):
+        self.log("val_epoch_loss", torch.stack(self.val_losses).mean())  # this replica's batches
+        self.log("val_batches", float(len(self.val_losses)), reduce_fx="sum", sync_dist=True)
+        self.log("val_samples", float(self.val_samples), reduce_fx="sum", sync_dist=True)
+        self.val_losses.clear()
+        self.val_samples = 0
 
     def test_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
         self.test_acc.update(logits.argmax(-1), y)  # update only: the epoch value
         self.log("test_acc", self.test_acc)
-        self.log("test_loss", F.cross_entropy(logits, y), sync_dist=True)
+        loss = F.cross_entropy(logits, y)
+        self.log("test_loss", loss, sync_dist=True)
+        # collectives in a step: over the data-parallel replicas, as under DDP
+        gathered = self.all_gather(loss)
+        self.log_dict({"test_gathered": float(gathered.numel()), "test_gathered_loss": gathered.mean()})
+        self.trainer.strategy.barrier()
+        self.log("test_first_replica_loss", self.trainer.strategy.broadcast(loss.item(), 0))
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0]).argmax(-1)

@@ -46,6 +46,7 @@ class StepRecord:
     calls: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     result: Any = None
     state: list[step_state.StateChange] = field(default_factory=list)
+    list_states: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -152,6 +153,35 @@ def _local_metric(module: nn.Module, ref: MetricRef, device: torch.device) -> Me
     return metric
 
 
+def list_state_kinds(module: nn.Module) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+    """Per Metric (by attribute path) and list state (AUROC's preds/target, CatMetric's value): the dtype and
+    trailing shape of what the last stage's updates appended."""
+    kinds = {}
+    for path, metric in module.named_modules():
+        if isinstance(metric, Metric):
+            found = {}
+            for state in metric_reductions(metric):
+                items = getattr(metric, state)
+                if isinstance(items, list) and items and isinstance(items[-1], torch.Tensor):
+                    found[state] = (items[-1].dtype, tuple(items[-1].shape[1:]))
+            if found:
+                kinds[path] = found
+    return kinds
+
+
+def give_empty_list_states(module: nn.Module, kinds: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
+                           device: torch.device) -> None:
+    """On a rank whose copies were never updated: an empty list state holds one tensor of no rows with the last
+    stage's dtype and trailing shape, so torchmetrics' sync gathers matching tensors (it would send a float 1-d
+    ``tensor([])`` against the last stage's 2-d or int64 state: gloo aborts)."""
+    for path, states in kinds.items():
+        metric = module.get_submodule(path)
+        for state, (dtype, trailing) in states.items():
+            items = getattr(metric, state)
+            if isinstance(items, list) and not items:
+                items.append(torch.empty((0, *trailing), dtype=dtype, device=device))
+
+
 def replay(module: LightningModule, calls: list[tuple[str, Any, dict[str, Any]]], last_stage: bool,
            dp_group: dist.ProcessGroup | None, device: torch.device) -> list[str]:
     """Log `calls` on this rank; return the names of non-finite plain values. sync_dist reduces over the
@@ -190,15 +220,18 @@ def run_on_last_stage(
         with recording_logs(module) as calls:
             result = method()
         record = StepRecord(_pack(module, calls), result, step_state.changes(module, before))
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            record.list_states = list_state_kinds(module)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:  # the result crosses on the CPU, only here
         state = [step_state.StateChange(c.attribute, c.kind, _cpu(c.value)) for c in record.state]
-        box = [StepRecord(record.calls, _cpu(record.result), state)]
+        box = [StepRecord(record.calls, _cpu(record.result), state, record.list_states)]
         dist.broadcast_object_list(box, group=pp_group, group_src=last_rank)
         record = box[0]
         if not holds_last_stage:
             result = _to(record.result, device)
             step_state.apply(module, [step_state.StateChange(c.attribute, c.kind, _to(c.value, device))
                                       for c in record.state])
+            give_empty_list_states(module, record.list_states, device)
     nonfinite = replay(module, record.calls, holds_last_stage, dp_group, device)
     return result, nonfinite
 

@@ -201,6 +201,11 @@ def test_a_layer_returning_a_dict_is_named():
         stage(torch.zeros(2, 3))
 
 
+class _Tracker:
+    def __init__(self):
+        self.total, self.n = 0.0, 0
+
+
 def test_step_state_changes_are_carried_to_the_other_ranks():
     """What a step does to the module's plain attributes, replayed on a rank where it did not run."""
     from collections import defaultdict
@@ -210,6 +215,8 @@ def test_step_state_changes_are_carried_to_the_other_ranks():
     def make():
         m = Classifier()
         m.outputs, m.count, m.by_loader, m.kept = [torch.tensor(0.0)], 3, defaultdict(list), {"a": [1]}
+        m.per_loader, m.nested, m.stats = [[], []], {"val": {"loss": []}}, {"n": 0}
+        m.tracker, m.total, m.fn = _Tracker(), torch.zeros(()), lambda x: x
         return m
 
     def step(m):
@@ -218,14 +225,39 @@ def test_step_state_changes_are_carried_to_the_other_ranks():
         m.by_loader[1].append("x")
         m.kept["a"] = [7]  # replaced, not appended to
         m.new_attribute = "set"
+        m.per_loader[1].append(2.0)  # inner lists of a list
+        m.nested["val"]["loss"].append(3.0)
+        m.stats["n"] += 4  # in place: numbers in a dict, a tracker object, a tensor
+        m.tracker.total, m.tracker.n = 5.0, 1
+        m.total += 6
 
     ran, other = make(), make()
     before = step_state.snapshot(ran)
     step(ran)
     found = step_state.changes(ran, before)
-    assert {(c.attribute, c.kind) for c in found} == {("outputs", "extend"), ("count", "set"), ("by_loader", "set_key"),
-                                                      ("kept", "set_key"), ("new_attribute", "set")}
+    assert {(c.attribute, c.kind) for c in found} == {
+        ("outputs", "extend"), ("count", "set"), ("by_loader", "set_key"), ("kept", "set_key"), ("new_attribute", "set"),
+        ("per_loader", "set"), ("nested", "set"), ("stats", "set"), ("tracker", "set"), ("total", "set")}
     step_state.apply(other, found)
     assert [float(t) for t in other.outputs] == [0.0, 1.0] and other.count == 4 and other.new_attribute == "set"
     assert other.by_loader == {1: ["x"]} and other.kept == {"a": [7]} and isinstance(other.by_loader, defaultdict)
+    assert other.per_loader == [[], [2.0]] and other.nested == {"val": {"loss": [3.0]}} and other.stats == {"n": 4}
+    assert (other.tracker.total, other.tracker.n, float(other.total)) == (5.0, 1, 6.0)
     assert step_state.changes(ran, step_state.snapshot(ran)) == []  # a step that changes nothing carries nothing
+
+
+def test_empty_metric_list_states_match_the_last_stage():
+    """A never-updated copy of a list-state metric (AUROC) gathers tensors of the last stage's dtype and rank."""
+    from torchmetrics.classification import MulticlassAUROC
+
+    from lightning_bfpp.user_steps import give_empty_list_states, list_state_kinds
+
+    ran, other = Classifier(), Classifier()
+    ran.auroc = MulticlassAUROC(4)
+    other.auroc = MulticlassAUROC(4)
+    ran.auroc.update(torch.randn(5, 4).softmax(-1), torch.randint(0, 4, (5,)))
+    kinds = list_state_kinds(ran)
+    assert kinds["auroc"] == {"preds": (torch.float32, (4,)), "target": (torch.int64, ())}
+    give_empty_list_states(other, kinds, torch.device("cpu"))
+    assert [(t.dtype, t.shape) for t in other.auroc.preds] == [(torch.float32, (0, 4))]
+    assert [(t.dtype, t.shape) for t in other.auroc.target] == [(torch.int64, (0,))]

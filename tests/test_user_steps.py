@@ -30,7 +30,7 @@ LAUNCHES = {
 }
 # synced over data-parallel ranks, so equal to one process whatever dp is (the rest: only at dp=1)
 SYNCED = {"val_acc", "val_loss", "val_seen", "val_max_logit", "test_acc", "test_loss", "train_loss", "train_acc",
-          "train_acc_epoch", "lr-SGD", "val_samples"}
+          "train_acc_epoch", "lr-SGD", "val_samples", "val_auroc"}
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 from lightning_bfpp import PipelineHooks
 
@@ -35,6 +35,7 @@ class Classifier(PipelineHooks, LightningModule):
         self.out = nn.Linear(width, CLASSES)
         self.train_acc = MulticlassAccuracy(CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(CLASSES, average="micro")
+        self.val_auroc = MulticlassAUROC(CLASSES)  # list states (preds 2-d float, target int64)
         self.test_acc = MulticlassAccuracy(CLASSES, average="micro")
         self.val_losses: list[torch.Tensor] = []  # Lightning's pattern: collected per step, aggregated at epoch end
         self.val_samples = 0
@@ -68,6 +69,7 @@ class Classifier(PipelineHooks, LightningModule):
         loss = F.cross_entropy(logits, y)
         self.val_acc(logits.argmax(-1), y)  # forward: also this batch's value
         self.log("val_acc", self.val_acc, prog_bar=True)
+        self.val_auroc.update(logits.softmax(-1), y)
         self.log("val_loss", loss, sync_dist=True)
         self.log("val_loss_local", loss)  # not synced: this rank's (replica's) mean
         self.log("val_step_loss", loss, on_step=True, on_epoch=False)
@@ -78,6 +80,8 @@ class Classifier(PipelineHooks, LightningModule):
         return {"n": len(y)}
 
     def on_validation_epoch_end(self):
+        self.log("val_auroc", self.val_auroc.compute())  # compute() of the whole epoch, synced, on every rank
+        self.val_auroc.reset()
         self.log("val_epoch_loss", torch.stack(self.val_losses).mean())  # this replica's batches
         self.log("val_batches", float(len(self.val_losses)), reduce_fx="sum", sync_dist=True)
         self.log("val_samples", float(self.val_samples), reduce_fx="sum", sync_dist=True)

@@ -52,6 +52,8 @@ class StepRecord:
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to(v, device) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_to(v, device) for v in value)
     if isinstance(value, dict):
@@ -215,14 +217,15 @@ def run_on_last_stage(
     (`last_rank`: its group rank), replay the logs and the changes on every rank, and return the step's result
     on every rank, with the names of the non-finite values it logged."""
     record, result = StepRecord(), None
+    crossing = pp_group is not None and dist.get_world_size(pp_group) > 1  # other pipeline ranks wait for it
     if holds_last_stage and method is not None:
-        before = step_state.snapshot(module)
+        before = step_state.snapshot(module) if crossing else {}
         with recording_logs(module) as calls:
             result = method()
-        record = StepRecord(_pack(module, calls), result, step_state.changes(module, before))
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            record.list_states = list_state_kinds(module)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:  # the result crosses on the CPU, only here
+        record = StepRecord(_pack(module, calls), result)
+        if crossing:
+            record.state, record.list_states = step_state.changes(module, before), list_state_kinds(module)
+    if crossing:  # the result crosses on the CPU, only here
         state = [step_state.StateChange(c.attribute, c.kind, _cpu(c.value)) for c in record.state]
         box = [StepRecord(record.calls, _cpu(record.result), state, record.list_states)]
         dist.broadcast_object_list(box, group=pp_group, group_src=last_rank)

@@ -78,7 +78,10 @@ def test_stuck_rank_ends_the_job_by_the_timeout(tmp_path):
         run_lightning(tmp_path, WORLD, [{"pp": 2, "loops": 2, "m": 2, "hang_rank": 3, "timeout": 10}], timeout=100)
     assert time.monotonic() - start < 15 + 10 + 20  # start-up and one step, the timeout, the watchdog's grace
     said = re.findall(r"\[rank (\d)\] bfpp: the job stops because (.*)", str(failure.value))
-    assert said and all(re.search(r"timed? ?out", why.lower()) and "rank 3 did not reach step 1" in why for _, why in said), said
+    # the first wait to end is a timeout; a rank waiting on a peer that has already stopped for it may instead see
+    # the connection close (seen under the load of parallel test processes): either way the stuck rank is named
+    assert said and all(re.search(r"timed? ?out|connection closed", why.lower()) and "rank 3 did not reach step 1" in why
+                        for _, why in said), said
 
 
 def test_a_rank_that_starts_later_than_the_timeout_still_joins(tmp_path):

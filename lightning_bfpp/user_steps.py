@@ -24,6 +24,8 @@ from . import step_state
 from .lightning_private import metric_reductions, metric_step_value, set_metric_step_value
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
+# per Metric (attribute path) and list state: the dtype and trailing shape of what its updates append
+ListStateKinds = dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]
 
 
 @dataclass
@@ -46,7 +48,7 @@ class StepRecord:
     calls: list[tuple[str, Any, dict[str, Any]]] = field(default_factory=list)
     result: Any = None
     state: list[step_state.StateChange] = field(default_factory=list)
-    list_states: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = field(default_factory=dict)
+    list_states: ListStateKinds = field(default_factory=dict)
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -155,7 +157,7 @@ def _local_metric(module: nn.Module, ref: MetricRef, device: torch.device) -> Me
     return metric
 
 
-def list_state_kinds(module: nn.Module) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+def list_state_kinds(module: nn.Module) -> ListStateKinds:
     """Per Metric (by attribute path) and list state (AUROC's preds/target, CatMetric's value): the dtype and
     trailing shape of what the last stage's updates appended."""
     kinds = {}
@@ -171,7 +173,7 @@ def list_state_kinds(module: nn.Module) -> dict[str, dict[str, tuple[torch.dtype
     return kinds
 
 
-def give_empty_list_states(module: nn.Module, kinds: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]],
+def give_empty_list_states(module: nn.Module, kinds: ListStateKinds,
                            device: torch.device) -> None:
     """On a rank whose copies were never updated: an empty list state holds one tensor of no rows with the last
     stage's dtype and trailing shape, so torchmetrics' sync gathers matching tensors (it would send a float 1-d

@@ -107,7 +107,7 @@ def _fit(job: dict, devices: int) -> dict:
     from gpt import GPT, GPTConfig, OptimConfig
 
     from lightning_bfpp import BFPPStrategy
-    from lightning_bfpp.auto_layout import AutoLayout
+    from lightning_bfpp.layout.auto import AutoLayout
 
     class Data(pl.LightningDataModule):
         def train_dataloader(self):

@@ -1,5 +1,5 @@
 """Measure this machine for the simulator and write a cluster yaml (conf/cluster/<name>.yaml). The format, the
-fit from samples to its keys and the writing are `lightning_bfpp.calibration`'s; this script measures.
+fit from samples to its keys and the writing are `lightning_bfpp.sim.calibration`'s; this script measures.
 
     python examples/calibrate.py --model gpt_small --base cpu_2 --micro-batch-size 4 \
         --out conf/cluster/cpu_2_calibrated.yaml
@@ -44,7 +44,7 @@ import yaml
 
 from procenv import free_port, runqueue_wait  # examples/procenv.py, next to this script
 
-from lightning_bfpp.calibration import SHAPE_KEYS, load_cluster, save_cluster, summarize
+from lightning_bfpp.sim.calibration import SHAPE_KEYS, load_cluster, save_cluster, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_bfpp.hooks import PipelineHooks
+from lightning_bfpp.contract.hooks import PipelineHooks
 
 
 @dataclass

@@ -32,7 +32,7 @@ from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
 from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
 from data import CorpusDataModule  # noqa: E402  (examples/data.py)
 from lightning_bfpp.hf import CausalLM  # noqa: E402  (imports no transformers)
-from lightning_bfpp.metrics import PipelineMetrics, run_layout  # noqa: E402
+from lightning_bfpp.user.metrics import PipelineMetrics, run_layout  # noqa: E402
 
 log = logging.getLogger(__name__)
 rundir.register_resolvers()  # the run directory's name in conf/train.yaml (examples/run_dir.py)
@@ -112,7 +112,7 @@ def build_strategy(cfg: DictConfig):
         # schedule.layout=auto: the knobs typed on the command line (schedule=1f1b, schedule.loops=2) are pinned, the
         # others are the planner's; every layout trains data.batch_size samples per step (the data module loads
         # data.batch_size / data_parallel per replica); the layers are timed on block_size-token micro-batches
-        from lightning_bfpp.auto_layout import KNOBS, AutoLayout
+        from lightning_bfpp.layout.auto import KNOBS, AutoLayout
         import torch
 
         typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else []

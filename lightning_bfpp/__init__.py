@@ -16,7 +16,8 @@ from typing import Any
 
 _LAZY = {
     "BFPPStrategy": "lightning_bfpp.strategy",
-    "PipelineHooks": "lightning_bfpp.hooks",
+    "PipelineHooks": "lightning_bfpp.contract.hooks",
+    "PipelineMetrics": "lightning_bfpp.user.metrics",
     "ScheduleError": "lightning_bfpp.schedule",
     "ScheduleSpec": "lightning_bfpp.schedule",
     "build_schedule": "lightning_bfpp.schedule",

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from gpt import GPT, GPTConfig, OptimConfig
 
 from lightning_bfpp import BFPPStrategy
-from lightning_bfpp.tensor_parallel import tp_sharded
+from lightning_bfpp.layout.tensor_parallel import tp_sharded
 
 SAMPLES, BLOCK, VOCAB = 64, 8, 32
 

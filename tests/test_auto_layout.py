@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_bfpp.auto_layout import AutoLayout, default_cluster, measure_layers, plan_layout, report
+from lightning_bfpp.layout.auto import AutoLayout, default_cluster, measure_layers, plan_layout, report
 from lightning_bfpp.schedule import ScheduleError
-from lightning_bfpp.runtime.layer_cost import time_balanced_layout
+from lightning_bfpp.layout.layer_cost import time_balanced_layout
 from lightning_bfpp.schedule.dims import LayoutError, ParallelDims
 from lightning_bfpp.schedule.layout import balanced_layout
 from lightning_bfpp.sim import WireBytes
@@ -167,7 +167,7 @@ def test_the_timed_micro_batch():
     """AutoLayout(sample=...) first, then example_input_array, then a DataLoader given to fit; a datamodule: error."""
     from exact_model import StackNet, dataset
 
-    from lightning_bfpp.auto_layout import sample_inputs
+    from lightning_bfpp.layout.auto import sample_inputs
 
     model = StackNet(n_blocks=1)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=8)

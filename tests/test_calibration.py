@@ -1,4 +1,4 @@
-"""Calibration file format: lightning_bfpp.calibration.summarize -> cluster yaml -> simulator (no processes)."""
+"""Calibration file format: lightning_bfpp.sim.calibration.summarize -> cluster yaml -> simulator (no processes)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _raw(world: int = 2) -> list[dict]:
 
 
 def test_summary_round_trips_through_yaml_into_the_simulator(tmp_path):
-    from lightning_bfpp.calibration import load_cluster, save_cluster, summarize
+    from lightning_bfpp.sim.calibration import load_cluster, save_cluster, summarize
 
     summary = summarize(_raw(), MODEL, micro_batch_size=4, threads=1, nbytes=1_000_000, max_wait=0.03)
     c = summary["cluster"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import lightning_bfpp.checkpoint as ckpt
 from exact_model import StackNet, reference_eval
@@ -121,7 +122,7 @@ def test_interrupted_save_is_never_a_checkpoint(tmp_path, monkeypatch):
         (checkpoint_id / "__0_0.distcp").write_bytes(b"partial")
         raise RuntimeError("killed mid-save")
 
-    monkeypatch.setattr(ckpt.dcp, "save", crash)
+    monkeypatch.setattr(dcp, "save", crash)
     with pytest.raises(RuntimeError, match="killed mid-save"):
         ckpt.save(target, {"state_dict": {"w": torch.zeros(2)}}, {"global_step": 3})
     assert not target.exists() and not ckpt.is_sharded(target)

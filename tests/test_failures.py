@@ -15,7 +15,7 @@ import torch
 import lightning_bfpp.checkpoint as ckpt
 from exact_model import reference
 from launch import run_lightning, run_torchrun, start_lightning
-from lightning_bfpp.watchdog import pid_alive
+from lightning_bfpp.job.watchdog import pid_alive
 
 WORLD = 4
 BUDGET_S = 60  # the promise: every process gone within this many seconds of the failure

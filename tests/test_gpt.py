@@ -7,7 +7,7 @@ import torch
 
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor
 
-from lightning_bfpp.hooks import check_hooks
+from lightning_bfpp.contract.hooks import check_hooks
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
@@ -65,8 +65,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
 def test_tied_embedding_is_a_weight_shared_by_the_first_and_last_stage():
     from itertools import chain
 
-    from lightning_bfpp.partition import plan_stages
-    from lightning_bfpp.tied import find_shared_weights
+    from lightning_bfpp.layout.partition import plan_stages
+    from lightning_bfpp.layout.tied import find_shared_weights
 
     def shared(model, num_stages):
         layers = model.pipeline_layers()

@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_bfpp import PipelineHooks
-from lightning_bfpp.partition import StageModule, plan_stages, split_stages
+from lightning_bfpp.layout.partition import StageModule, plan_stages, split_stages
 
 
 class Model(nn.Module):  # stands for a third-party model: its own names, its own forward

@@ -9,7 +9,7 @@ import pytest
 import torch
 from exact_model import StackNet, dataset
 
-from lightning_bfpp.runtime.layer_cost import measure_layer_times, sample_micro_batch, stage_sums, time_balanced_layout
+from lightning_bfpp.layout.layer_cost import measure_layer_times, sample_micro_batch, stage_sums, time_balanced_layout
 from lightning_bfpp.schedule.layout import balanced_layout
 
 

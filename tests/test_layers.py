@@ -1,5 +1,9 @@
-"""Import rules between the package's layers, read from the modules' own import statements (no imports run):
-schedule (pure Python) <- sim (pure Python, + matplotlib for pictures) <- runtime <- strategy."""
+"""Import rules between the package's parts, read from the modules' own import statements (no imports run).
+
+The parts, each a folder of ``lightning_bfpp/`` whose ``__init__`` says what it may import; each may import only
+the parts listed before it: schedule (pure Python) <- sim (pure Python) <- contract <- _private <- layout <- runtime
+<- user; checkpoint and job over _private; hf over contract; the strategy and the package face over everything.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +15,27 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "lightning_bfpp"
 STDLIB = set(sys.stdlib_module_names)
+P = "lightning_bfpp."
 
-# package -> (may import, besides the standard library) as module-name prefixes
-ALLOWED = {
-    "lightning_bfpp.schedule": ("lightning_bfpp.schedule",),
-    "lightning_bfpp.sim": ("lightning_bfpp.schedule", "lightning_bfpp.sim", "matplotlib"),
+# part -> the parts of the package it may import (besides itself)
+PARTS = {
+    "schedule": (),
+    "sim": ("schedule",),
+    "contract": (),
+    "_private": ("schedule", "contract"),
+    "layout": ("schedule", "sim", "contract", "_private"),
+    "runtime": ("schedule", "contract", "layout", "_private"),
+    "user": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
+    "checkpoint": ("_private",),
+    "job": ("_private",),
+    "hf": ("contract",),
 }
-# package -> what it must not import (anything else is allowed)
-FORBIDDEN = {
-    "lightning_bfpp.runtime": ("lightning", "lightning_bfpp.strategy", "lightning_bfpp.metrics", "lightning_bfpp.launcher"),
-}
+# pure parts: besides the standard library and the parts above, only these third-party packages
+PURE = {"schedule": (), "sim": ("matplotlib", "yaml")}
+# part -> third-party packages it must not import
+FORBIDDEN = {"runtime": ("lightning",)}
+# the modules at the package's top (the face and the strategy); anything else belongs in a part's folder
+TOP = {"__init__.py", "strategy.py"}
 
 
 def module_name(path: Path) -> str:
@@ -28,20 +43,27 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(source: str, module: str, is_package: bool = False) -> list[str]:
-    """Absolute names of every module `source` (the code of `module`) imports, anywhere in the file."""
+def imported(source: str, module: str, is_package: bool = False, modules: frozenset[str] = frozenset()) -> list[str]:
+    """Absolute names of every module `source` (the code of `module`) imports, anywhere in the file. ``from X import
+    name`` where X.name is one of `modules` (a submodule) names X.name alone."""
     package = module if is_package else module.rpartition(".")[0]
     names = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if not node.level:
-                names.append(node.module)
-                continue
-            parts = package.split(".")
-            base = ".".join(parts[: len(parts) - node.level + 1])
-            names += [f"{base}.{node.module}"] if node.module else [f"{base}.{a.name}" for a in node.names]
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            subs = [f"{base}.{a.name}" for a in node.names]
+            if node.module is None and node.level:  # from . import x: x is a module
+                names += subs
+            elif all(s in modules for s in subs):
+                names += subs
+            else:
+                names.append(base)
     return names
 
 
@@ -49,33 +71,97 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
+def part_of(module: str) -> str | None:
+    """The part (folder) `module` belongs to; None for the modules at the top."""
+    rest = module.removeprefix(P).split(".")
+    return rest[0] if module.startswith(P) and len(rest) > 1 or rest[0] in PARTS else None
+
+
 def violations(source: str, module: str, is_package: bool = False) -> list[str]:
-    """The imports of `module` that break its layer's rule."""
-    layer = next((p for p in (*ALLOWED, *FORBIDDEN) if _under(module, (p,))), None)
+    """The imports of `module` that break its part's rule."""
+    part = part_of(module)
+    if part is None:
+        return []
+    allowed = (P + part, *(P + p for p in PARTS[part]))
     bad = []
     for name in imported(source, module, is_package):
-        if layer in ALLOWED and not (name.split(".")[0] in STDLIB or _under(name, ALLOWED[layer])):
+        top = name.split(".")[0]
+        if name.startswith(P) or name == "lightning_bfpp":
+            if not _under(name, allowed):
+                bad.append(name)
+        elif part in PURE and not (top in STDLIB or top in PURE[part]):
             bad.append(name)
-        elif layer in FORBIDDEN and _under(name, FORBIDDEN[layer]):
+        elif _under(name, FORBIDDEN.get(part, ())):
             bad.append(name)
     return bad
 
 
-MODULES = sorted(p for layer in (*ALLOWED, *FORBIDDEN) for p in (PKG / layer.split(".")[1]).glob("*.py"))
+MODULES = sorted(PKG.rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
-def test_module_imports_follow_the_layers(path):
+def test_module_imports_follow_the_parts(path):
     bad = violations(path.read_text(), module_name(path), path.name == "__init__.py")
-    assert not bad, f"{module_name(path)} imports {bad}: schedule <- sim <- runtime <- strategy (README: How it works)"
+    part = part_of(module_name(path))
+    assert not bad, f"{module_name(path)} imports {bad}; {part}/ may import {PARTS.get(part)} (its __init__ says why)"
 
 
 def test_the_check_sees_relative_lazy_and_plain_imports():
-    code = "import torch\nfrom ..partition import x\ndef f():\n    from lightning_bfpp.runtime import y\nfrom .cost import c\n"
-    assert violations(code, "lightning_bfpp.sim.draw") == ["torch", "lightning_bfpp.partition", "lightning_bfpp.runtime"]
+    code = "import torch\nfrom ..layout import x\ndef f():\n    from lightning_bfpp.runtime import y\nfrom .cost import c\n"
+    assert violations(code, "lightning_bfpp.sim.draw") == ["torch", "lightning_bfpp.layout", "lightning_bfpp.runtime"]
     assert violations("from ..sim import a\nimport json\n", "lightning_bfpp.schedule.lower") == ["lightning_bfpp.sim"]
     assert violations("from . import actions\n", "lightning_bfpp.schedule", is_package=True) == []
-    assert violations("from ..strategy import S\nimport torch\n", "lightning_bfpp.runtime.pipeline") == ["lightning_bfpp.strategy"]
+    assert violations("from ..strategy import S\nimport lightning\n", "lightning_bfpp.runtime.pipeline") == [
+        "lightning_bfpp.strategy", "lightning"]
+    assert violations("from ..user.steps import s\n", "lightning_bfpp.layout.stages") == ["lightning_bfpp.user.steps"]
+    assert violations("from ..user import steps\n", "lightning_bfpp.strategy") == []
+
+
+def test_every_part_says_what_it_is_and_what_it_may_import():
+    for part in PARTS:
+        doc = ast.get_docstring(ast.parse((PKG / part / "__init__.py").read_text())) or ""
+        assert "May import" in doc, f"lightning_bfpp/{part}/__init__.py: say what the folder is and what it may import"
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(PARTS), f"folders {folders ^ set(PARTS)}: add the folder's rule to PARTS"
+    assert {p.name for p in PKG.glob("*.py")} == TOP, "a module at the package's top: does it belong in a part?"
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in MODULES}
+    names = frozenset(modules)
+    graph = {}
+    for name, path in modules.items():
+        deps = imported(path.read_text(), name, path.name == "__init__.py", names)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import loop of `graph` (module -> modules it imports), as a path, else None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_loops_between_files():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
 def _run(code: str) -> str:
@@ -88,7 +174,7 @@ def _run(code: str) -> str:
 
 
 @pytest.mark.parametrize("package", ["lightning_bfpp", "lightning_bfpp.schedule", "lightning_bfpp.sim",
-                                     "lightning_bfpp.calibration"])
+                                     "lightning_bfpp.sim.calibration", "lightning_bfpp.contract"])
 def test_pure_packages_import_neither_lightning_nor_torch_distributed(package):
     loaded = _run(f"import sys, {package}\nprint(' '.join(sorted(sys.modules)))").split()
     heavy = [m for m in loaded if _under(m, ("lightning", "pytorch_lightning", "torch.distributed", "lightning_bfpp.strategy"))]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_bfpp.parallel import DP, PP, TP, build_mesh
+from lightning_bfpp.layout.mesh import DP, PP, TP, build_mesh
 from procenv import free_port
 
 WORLD = 4

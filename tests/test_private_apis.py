@@ -1,6 +1,6 @@
 """Private torch / Lightning / torchmetrics APIs stay in their bridge modules (read from the sources, no imports run),
 the import-time version check names the installed version and the tested range, and pyproject.toml states the same
-ranges as the check (lightning_bfpp/versions.py)."""
+ranges as the check (lightning_bfpp/_private/versions.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bfpp.versions import SUPPORTED, check_version
+from lightning_bfpp._private.versions import SUPPORTED, check_version
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "lightning_bfpp"
-BRIDGES = {"runtime/torch_bridge.py", "torch_private.py", "lightning_private.py"}
+BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightning_api.py"}  # lightning_bfpp/_private/
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
                       "_Action", "_ComputationType", "_device_mesh", "_data_source"}

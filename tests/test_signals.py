@@ -21,7 +21,7 @@ import lightning_bfpp.checkpoint as ckpt  # noqa: E402
 from exact_model import reference  # noqa: E402
 from launch import SCRIPT, clean_env, start_lightning  # noqa: E402
 from procenv import free_port  # noqa: E402
-from lightning_bfpp.watchdog import pid_alive  # noqa: E402
+from lightning_bfpp.job.watchdog import pid_alive  # noqa: E402
 
 WORLD = 2
 BATCH = 16

@@ -22,7 +22,7 @@ from lightning.pytorch import Trainer  # noqa: E402
 
 from lightning_bfpp.schedule import ScheduleSpec  # noqa: E402
 from lightning_bfpp.schedule.dims import ParallelDims  # noqa: E402
-from lightning_bfpp.tensor_parallel import layer_plans  # noqa: E402
+from lightning_bfpp.layout.tensor_parallel import layer_plans  # noqa: E402
 
 EXACT, RESUME = 1e-6, 1e-5
 STEPS, BATCH = 3, 8

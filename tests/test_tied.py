@@ -8,8 +8,8 @@ from itertools import chain
 import torch
 
 from exact_model import StackNet
-from lightning_bfpp.partition import split_stages
-from lightning_bfpp.tied import TiedWeights, find_shared_weights
+from lightning_bfpp.layout.partition import split_stages
+from lightning_bfpp.layout.tied import TiedWeights, find_shared_weights
 
 
 def _two_local_stages():

@@ -16,7 +16,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from launch import ROOT, clean_env
 from lightning_bfpp import BFPPStrategy
 from procenv import free_port
-from lightning_bfpp.user_steps import _pack, pipeline_answers_forward, recording_logs
+from lightning_bfpp.user.steps import _pack, pipeline_answers_forward, recording_logs
 from user_module import VAL, Classifier
 
 SCRIPT = ROOT / "tests" / "run_user_module.py"
@@ -180,7 +180,7 @@ def test_skipping_nonfinite_losses_has_a_limit():
 
 
 def test_nonfinite_eval_values_are_named():
-    from lightning_bfpp.user_steps import replay
+    from lightning_bfpp.user.steps import replay
 
     model = Classifier()
     calls = [("val_loss", torch.tensor(float("nan")), {"sync_dist": True}), ("val_ok", torch.tensor(1.0), {})]
@@ -190,7 +190,7 @@ def test_nonfinite_eval_values_are_named():
 
 
 def test_a_layer_returning_a_dict_is_named():
-    from lightning_bfpp.partition import StageModule
+    from lightning_bfpp.layout.partition import StageModule
 
     class Encoder(torch.nn.Module):
         def forward(self, x):
@@ -210,7 +210,7 @@ def test_step_state_changes_are_carried_to_the_other_ranks():
     """What a step does to the module's plain attributes, replayed on a rank where it did not run."""
     from collections import defaultdict
 
-    from lightning_bfpp import step_state
+    from lightning_bfpp.user import step_state
 
     def make():
         m = Classifier()
@@ -250,7 +250,7 @@ def test_empty_metric_list_states_match_the_last_stage():
     """A never-updated copy of a list-state metric (AUROC) gathers tensors of the last stage's dtype and rank."""
     from torchmetrics.classification import MulticlassAUROC
 
-    from lightning_bfpp.user_steps import give_empty_list_states, list_state_kinds
+    from lightning_bfpp.user.steps import give_empty_list_states, list_state_kinds
 
     ran, other = Classifier(), Classifier()
     ran.auroc = MulticlassAUROC(4)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..torch_private import checkpoint_metadata_globals
+from .._private.torch_api import checkpoint_metadata_globals
 
 TRUST_ENV = "BFPP_TRUST_CHECKPOINTS"
 DCP_METADATA = ".metadata"

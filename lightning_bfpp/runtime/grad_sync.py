@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .torch_bridge import after_reduce_grad
+from .._private.pipelining import after_reduce_grad
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb default: large enough to amortise each collective's latency
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..torch_private import dtensor_local
-from .torch_bridge import time_stage_compute
+from .._private.pipelining import time_stage_compute
+from .._private.torch_api import dtensor_local
 
 
 class Timeline:

@@ -12,14 +12,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from .._private.pipelining import build_runtime
+from ..contract.layer_io import BOUNDARY_RULE
+from ..layout.mesh import DP, PP
+from ..layout.partition import input_kwargs
 from ..schedule import Schedule, build_schedule
 from ..schedule.dims import Names, micro_batch_size
-from ..layer_io import BOUNDARY_RULE
-from ..partition import input_kwargs
 from .grad_sync import BucketedAllReduce
 from .instrument import SavedActivationMeter, Timeline
-from .torch_bridge import build_runtime
 
 _BATCH_NAMES = Names(replica_batch="batch")  # how a step's batch is named when it does not split into micro-batches
 
@@ -35,7 +37,8 @@ def _detach(value: Any) -> Any:
     return type(value)(_detach(v) for v in value) if isinstance(value, (tuple, list)) else value
 
 
-def _batch_size(inputs: Any) -> int:
+def batch_rows(inputs: Any) -> int:
+    """Samples in a batch of pipeline inputs (the first tensor's rows)."""
     first = inputs[0] if isinstance(inputs, tuple) else inputs
     return first.shape[0]
 
@@ -71,6 +74,15 @@ class PipelineRunner:
         self.meter = SavedActivationMeter(modules.values())
         self.last_stats: dict[str, float] = {}
 
+    @classmethod
+    def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
+                loss_fn: Callable[[Any, Any], torch.Tensor], sharded: bool) -> PipelineRunner:
+        """A runner over the (pp, dp[, tp]) `mesh`: p2p over its pipeline group; gradients all-reduced over its
+        data-parallel group unless the stages are `sharded` (FSDP2 reduce-scatters them)."""
+        dp_mesh = mesh[DP]
+        replicate_group = dp_mesh.get_group() if not sharded and dp_mesh.size() > 1 else None
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group)
+
     @property
     def has_last_stage(self) -> bool:
         return self.spec.num_stages - 1 in self.modules
@@ -92,7 +104,7 @@ class PipelineRunner:
     def _runtime(self, mode: str, inputs: Any):
         key = (mode, _shape_key(inputs))
         if key not in self._runtimes:
-            schedule = self.schedules["train"] if mode == "train" else self._forward_schedule(_batch_size(inputs))
+            schedule = self.schedules["train"] if mode == "train" else self._forward_schedule(batch_rows(inputs))
             loss_fn = None if mode == "predict" else self.loss_fn
             runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
             for stage in stages:
@@ -104,7 +116,7 @@ class PipelineRunner:
 
     def _run(self, mode: str, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[Any, list[torch.Tensor]]:
         if mode == "train":
-            micro_batch_size(_batch_size(inputs), self.spec.micro_batches, _BATCH_NAMES)
+            micro_batch_size(batch_rows(inputs), self.spec.micro_batches, _BATCH_NAMES)
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []

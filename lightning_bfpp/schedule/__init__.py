@@ -1,5 +1,7 @@
 """Pipeline schedules as data: generate, lower, validate (pure Python).
 
+May import: nothing else of the package, no third-party package (the standard library only).
+
 >>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
 >>> sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2))
 >>> [str(a) for a in sched.compute_actions(0)]
@@ -8,7 +10,18 @@
 
 from __future__ import annotations
 
-from .actions import COMPUTE_OPS, FSDP_OPS, LOOPED_SCHEDULES, P2P_OPS, SCHEDULES, Action, Op, Schedule, ScheduleError, ScheduleSpec
+from .actions import (
+    COMPUTE_OPS,
+    FSDP_OPS,
+    LOOPED_SCHEDULES,
+    P2P_OPS,
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    ScheduleError,
+    ScheduleSpec,
+)
 from .generate import check_spec, compute_order
 from .lower import lower
 from .validate import validate

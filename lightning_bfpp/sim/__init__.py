@@ -1,4 +1,7 @@
-"""Cost model, step simulator and layout planner over the schedules of `lightning_bfpp.schedule`.
+"""Cost model, step simulator and layout planner over the schedules of `lightning_bfpp.schedule`, and the
+calibrated-cluster format (``calibration``).
+
+May import: ``schedule``; matplotlib (pictures) and PyYAML (cluster files) besides the standard library.
 
 >>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
 >>> from lightning_bfpp.sim import simulate, unit_costs
@@ -7,7 +10,8 @@
 0.25
 """
 
-from .cost import Cluster, Costs, LayerTimes, StageCost, build_costs, ring_time, unit_costs
+from .cluster import Cluster, LayerTimes
+from .cost import Costs, StageCost, build_costs, ring_time, unit_costs
 from .draw import draw_schedule
 from .memory import MemoryReport, memory_report
 from .model import Layers, Model, WireBytes

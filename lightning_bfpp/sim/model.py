@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .cost import Cluster
+from .cluster import Cluster
 
 ACT_BYTES = 2  # bf16 activations and p2p messages
 
@@ -16,7 +14,7 @@ ACT_BYTES = 2  # bf16 activations and p2p messages
 class WireBytes:
     """Bytes per element of what a step moves: FSDP's gathered weights, its reduced gradients, the pipeline's
     stage-boundary messages. The default is the paper's regime (bf16 everywhere); ``for_precision`` gives what the
-    runtime moves under a Lightning precision (``parallel.stage_mixed_precision``)."""
+    runtime moves under a Lightning precision (``layout.fsdp.stage_mixed_precision``)."""
 
     weights: int = 2
     grads: int = 2

@@ -9,10 +9,19 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
-from lightning_bfpp.schedule import LOOPED_SCHEDULES, SCHEDULES, Schedule, ScheduleError, ScheduleSpec, build_schedule, compute_order, lower
-from lightning_bfpp.schedule.dims import ParallelDims, divisors
-
-from .cost import Cluster, Costs, build_costs, state_bytes
+from ..schedule import (
+    LOOPED_SCHEDULES,
+    SCHEDULES,
+    Schedule,
+    ScheduleError,
+    ScheduleSpec,
+    build_schedule,
+    compute_order,
+    lower,
+)
+from ..schedule.dims import ParallelDims, divisors
+from .cluster import Cluster
+from .cost import Costs, build_costs, state_bytes
 from .model import Model
 from .residency import RESIDENCIES, relower
 from .simulate import SimOptions, SimResult, evaluate, simulate

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from lightning_bfpp.schedule import FSDP_OPS, Action, Op, Schedule
+from ..schedule import FSDP_OPS, Action, Op, Schedule
 
 RESIDENCIES = ("step", "cache", "run")
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_bfpp.schedule import Op, Schedule, ScheduleError
-
+from ..schedule import Op, Schedule, ScheduleError
 from .cost import Costs, state_bytes
 from .memory import MemoryReport, memory_report
 

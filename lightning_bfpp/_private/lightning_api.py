@@ -1,0 +1,114 @@
+# Scope: the private Lightning (and torchmetrics) APIs lightning-bfpp uses. Each entry says why it is needed and which
+# public alternative was checked (Lightning 2.6.6, torchmetrics 1.9). Importing this module checks the installed
+# versions against the tested ranges (versions.SUPPORTED). Also private, and not wrappable here: the strategy
+# overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher).
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _set_num_threads_if_needed,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torchmetrics import Metric
+
+from .versions import check_version
+
+check_version("lightning")
+check_version("torchmetrics")
+
+# Lightning's popen launcher (this process is rank 0 and starts ranks 1.. as copies of the command line), which
+# launcher.CheckingLauncher subclasses and ModelParallelStrategy installs. Public alternative checked: none;
+# Lightning exports no launcher class (lightning.pytorch.strategies.launchers has only private names).
+SubprocessScriptLauncher = _SubprocessScriptLauncher
+
+# torch.set_num_threads(cpu count / local processes) unless OMP_NUM_THREADS is set, as Lightning's launcher does
+# before running the function. Public alternative checked: torch.set_num_threads (would drop Lightning's rule).
+set_num_threads_if_needed = _set_num_threads_if_needed
+
+# Lightning's own step from meta-device to real parameters (reset_parameters per module, with a check that every
+# module has one), as ModelParallelStrategy does for its module. Public alternative checked: torch's
+# ``module.to_empty(device=...)`` + calling ``reset_parameters`` ourselves (the same, without Lightning's check).
+materialize_distributed_module = _materialize_distributed_module
+
+# Lightning's strategies' all_gather (stacked, optional gradient sync) and reduce ("mean"/"sum"/ReduceOp, gloo's
+# missing AVG, a barrier first) over a process group, for bfpp's collectives over the replicas
+# (lightning_bfpp/user/collectives.py) to behave as ModelParallelStrategy's own. Public alternative checked:
+# torch.distributed.all_gather / all_reduce (would drop those rules: the same calls, reimplemented).
+all_gather_if_distributed = _all_gather_ddp_if_available
+sync_if_distributed = _sync_ddp_if_available
+
+# Moves optimizer state tensors to the device after a checkpoint restore, as Lightning's strategies do. Public
+# alternative checked: none in Lightning or torch (Optimizer.load_state_dict casts to the params' device only).
+optimizers_to_device = _optimizers_to_device
+
+
+def process_group_timeout(strategy: ModelParallelStrategy) -> timedelta | None:
+    """The `timeout` given to ModelParallelStrategy (``_timeout``; it applies it to the default process group only).
+    Public alternative checked: none; the strategy does not expose it."""
+    return strategy._timeout
+
+
+@contextmanager
+def process_group_timeout_at_least(strategy: ModelParallelStrategy, least: timedelta) -> Iterator[timedelta | None]:
+    """Within the block the strategy's ``_timeout`` is at least `least` (ModelParallelStrategy's
+    ``_setup_distributed`` gives it to init_process_group, whose rendezvous waits for every process to start);
+    yields the requested timeout. Public alternative checked: none; Lightning passes ``_timeout`` itself."""
+    requested = strategy._timeout
+    if requested is not None:
+        strategy._timeout = max(requested, least)
+    try:
+        yield requested
+    finally:
+        strategy._timeout = requested
+
+
+# torchmetrics Metric state that lightning_bfpp/user/steps.py carries across the pipeline group, so a metric the user logs on the
+# last stage is logged with the same step value by every pipeline rank. Public alternatives checked: ``forward()``
+# (would update the states on ranks without outputs: counted twice at compute()), ``metric_state`` (the reduced
+# states, not the step value) and ``reset()`` (also clears the states).
+
+def metric_step_value(metric: Metric) -> tuple[Any, int]:
+    """The value `metric`'s last forward() returned (``_forward_cache``) and its ``_update_count``."""
+    return metric._forward_cache, metric._update_count
+
+
+def set_metric_step_value(metric: Metric, forward_cache: Any, update_count: int) -> None:
+    """Make `metric` (never updated on this rank) log `forward_cache` as its step value; compute() runs anew."""
+    metric._forward_cache = forward_cache
+    metric._update_count = max(metric._update_count, update_count)  # compute() without update would warn
+    metric._computed = None
+
+
+def metric_reductions(metric: Metric) -> dict[str, Any]:
+    """Each state's reduction function (``_reductions``; to warn about mean-reduced states)."""
+    return metric._reductions
+
+
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside a LightningOptimizer (its public ``.optimizer`` property), else `optimizer`."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """Give the LightningModule its ``device_mesh`` (a read-only property over ``_device_mesh``), as Lightning's
+    ModelParallelStrategy does in its ``setup_environment``. Public alternative checked: none (no setter)."""
+    module._device_mesh = mesh
+
+
+def train_data_source(trainer: Any) -> Any:
+    """The training data `fit()` was given (``fit_loop._data_source``, set before the strategy's setup: its
+    ``instance`` is the DataLoader or datamodule, ``dataloader()`` builds the loader), else None. Public
+    alternative checked: ``trainer.train_dataloader`` (None until the fit loop sets up its data, after setup)."""
+    return getattr(getattr(trainer, "fit_loop", None), "_data_source", None)

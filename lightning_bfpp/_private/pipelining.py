@@ -1,0 +1,125 @@
+# Scope: the ONLY module touching torch.distributed.pipelining's private schedule runtime
+# (_PipelineScheduleRuntime, _Action). We feed it our own lowered action lists. Tested on torch 2.13 (the
+# import checks the range, versions.SUPPORTED). Public alternative checked: torch's schedule classes
+# (ScheduleLoopedBFS, ScheduleInterleaved1F1B, ...) have no breadth-first x groups order and their own FSDP prefetch.
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as _torch_schedules
+
+from ..contract.layer_io import buffers_kept
+from ..schedule import Op, Schedule
+from .versions import check_version
+
+check_version("torch")
+if not (
+    hasattr(_torch_schedules, "_PipelineScheduleRuntime")
+    and hasattr(getattr(_torch_schedules, "_ComputationType", None), "REDUCE_GRAD")
+    and hasattr(PipelineStage, "_forward_metadata_inference")
+):
+    raise ImportError(
+        f"lightning-bfpp needs torch.distributed.pipelining's schedule runtime with UNSHARD/RESHARD/REDUCE_GRAD "
+        f"actions (tested on torch 2.13); this is torch {torch.__version__}. Install torch>=2.13,<2.14."
+    )
+
+_TORCH_OP = {
+    Op.FORWARD: _torch_schedules._ComputationType.FORWARD,
+    Op.BACKWARD: _torch_schedules._ComputationType.FULL_BACKWARD,
+    Op.UNSHARD: _torch_schedules._ComputationType.UNSHARD,
+    Op.RESHARD: _torch_schedules._ComputationType.RESHARD,
+    Op.REDUCE_GRAD: _torch_schedules._ComputationType.REDUCE_GRAD,
+    Op.SEND_F: _torch_schedules._ComputationType.SEND_F,
+    Op.RECV_F: _torch_schedules._ComputationType.RECV_F,
+    Op.SEND_B: _torch_schedules._ComputationType.SEND_B,
+    Op.RECV_B: _torch_schedules._ComputationType.RECV_B,
+}
+
+
+def to_torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
+    return {
+        rank: [_torch_schedules._Action(a.stage, _TORCH_OP[a.op], a.micro_batch) for a in actions]
+        for rank, actions in schedule.actions.items()
+    }
+
+
+def build_runtime(
+    schedule: Schedule,
+    modules: dict[int, nn.Module],
+    device: torch.device,
+    group,
+    loss_fn: Callable | None,
+):
+    """A torch pipeline runtime over fresh PipelineStages of `modules` that executes `schedule`."""
+    spec = schedule.spec
+    stages = [
+        PipelineStage(mod, stage_index=s, num_stages=spec.num_stages, device=device, group=group)
+        for s, mod in sorted(modules.items())
+    ]
+    for stage in stages:
+        leave_no_trace_of_shape_inference(stage)
+    runtime = _torch_schedules._PipelineScheduleRuntime(
+        stages, n_microbatches=spec.micro_batches, loss_fn=loss_fn, scale_grads=True
+    )
+    # Our validated, lowered lists replace torch's own lowering (it has no breadth-first x groups order
+    # and its FSDP prefetch policy is not ours). The stage->rank map is torch's default "loop" style.
+    runtime.pipeline_order_with_comms = to_torch_actions(schedule)
+    return runtime, stages
+
+
+def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
+    """torch infers a stage's output shapes by running its module once more before the first micro-batch (on
+    the real first micro-batch on the first stage, on uninitialised tensors elsewhere), in the module's mode:
+    that forward would update its buffers (BatchNorm running statistics, counters: with garbage on later
+    stages) and draw random numbers (dropout). Wrap ``_forward_metadata_inference`` (private: the only place that
+    forward runs) so buffers are restored and the random state is forked. Public alternative checked: static
+    shapes (``PipelineStage(input_args=..., output_args=...)``) need every stage's output shapes known up front."""
+    inner = stage._forward_metadata_inference
+    device = stage.device
+
+    def isolated(*args, **kwargs):
+        accelerators = [] if device.type == "cpu" else [device]
+        with buffers_kept(stage.submod), torch.random.fork_rng(
+                devices=accelerators, device_type=device.type if accelerators else "cuda"):
+            return inner(*args, **kwargs)
+
+    stage._forward_metadata_inference = isolated
+
+
+def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, float, float], None],
+                       enabled: Callable[[], bool]) -> None:
+    """Call ``record(kind, micro_batch, start, end)`` ("F"/"B") around each forward/backward the runtime runs on
+    `stage` while ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
+    (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
+    backward, which the runtime runs through autograd outside any module call) and profiler spans (need the profiler on)."""
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        inner = getattr(stage, name)
+
+        def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
+            if not enabled():
+                return _inner(mb, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return _inner(mb, *args, **kwargs)
+            finally:
+                record(_kind, mb, t0, time.perf_counter())
+
+        setattr(stage, name, timed)
+
+
+def after_reduce_grad(stage: PipelineStage, callback: Callable[[], None]) -> None:
+    """Call `callback` right after the runtime ran `stage`'s REDUCE_GRAD action (``perform_reduce_grad``, which
+    the private runtime calls after the stage's last backward). Public alternative checked: gradient hooks on the
+    parameters (fire per parameter and per micro-batch, not once after the last one)."""
+    inner = stage.perform_reduce_grad
+
+    def reduce_after(*args, **kwargs):
+        inner(*args, **kwargs)
+        callback()
+
+    stage.perform_reduce_grad = reduce_after

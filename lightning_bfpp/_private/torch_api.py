@@ -1,0 +1,53 @@
+# Scope: the private torch APIs lightning-bfpp uses outside torch.distributed.pipelining's schedule runtime (that one
+# is lightning_bfpp/_private/pipelining.py). Each entry says why it is needed and which public alternative was checked (torch 2.13).
+# Importing this module checks the installed torch against the tested range (versions.SUPPORTED).
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .versions import check_version
+
+check_version("torch")
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group (the job's rendezvous store), which the watchdog uses to
+    post failures and progress without a collective. Why private: torch exposes no getter for it.
+    Public alternatives checked: a second ``dist.TCPStore`` (needs its own port and a rank-0 server the launchers
+    do not set up); ``dist.init_process_group(store=...)`` (the process group is created by Lightning, not by us)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def set_default_group_timeout(timeout) -> None:
+    """The default process group's timeout, and its store's, once the group exists (the rendezvous that created
+    it may have waited longer, for every process to start). Why private: ``_set_pg_timeout`` is torch's only way
+    to change a live group's timeout. Public alternatives checked: ``init_process_group(timeout=)`` (one value for
+    the rendezvous and every later collective), ``new_group(timeout=)`` (Lightning's own collectives use the
+    default group); ``Store.set_timeout`` is public."""
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    default_store().set_timeout(timeout)
+
+
+def dtensor_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part read as a plain attribute (``_local_tensor``), else `t`. Why private: this runs inside
+    saved-tensor hooks, where the public ``DTensor.to_local()`` would record an autograd op (and run the hooks
+    again). Public alternative checked: ``to_local()`` (used everywhere outside autograd hooks)."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def checkpoint_metadata_globals() -> dict[tuple[str, str], Any]:
+    """Private globals that torch.distributed.checkpoint's metadata pickles name (``.metadata`` files), allowed by
+    checkpoint/safety.py's restricted unpickler. Why private: the files contain these names; they are looked up,
+    not called by us. Public alternative checked: ``torch.serialization.add_safe_globals`` (applies to
+    ``torch.load``, not to DCP's ``pickle.load`` of the metadata)."""
+    from torch.distributed.checkpoint import filesystem
+
+    return {
+        (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a lookup by layout name
+    }

@@ -1,0 +1,63 @@
+# Scope: a bfpp checkpoint folder consolidated into one plain file (``python -m lightning_bfpp.checkpoint``).
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .manifest import check_folder, newest_note, verify_checksums
+from .safety import TRUST_ENV, CheckpointError, trusted
+from .sharded import dcp_load
+
+
+def export(checkpoint_dir: Path, out: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """Consolidate a bfpp checkpoint folder into one file: {"state_dict": {name: full tensor}, plus the
+    Lightning metadata (epoch, global_step, hyper_parameters)} — `Model.load_from_checkpoint(out)` and
+    `model.load_state_dict(torch.load(out)["state_dict"], strict=True)` work with no process group.
+    The folder is checked and its checksums verified first; `out` is written only on success."""
+    checkpoint_dir, out, trust = Path(checkpoint_dir), Path(out), trusted(trust)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"{checkpoint_dir} is not a bfpp checkpoint folder.{newest_note(checkpoint_dir)}")
+    if out.is_dir():
+        raise CheckpointError(f"out={str(out)!r} is a folder: give the file to write, e.g. {out / 'model.ckpt'}.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"out={str(out)!r}: the folder {out.parent} does not exist; create it first.")
+    metadata, meta, manifest = check_folder(checkpoint_dir, trust)
+    verify_checksums(checkpoint_dir, manifest)
+    prefix = "state_dict."
+    request = {k[len(prefix):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+               if isinstance(v, TensorStorageMetadata) else None
+               for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    box = {"state_dict": request}
+    dcp_load(box, checkpoint_dir, trust)
+    state_dict = box["state_dict"]
+    keep = {k: v for k, v in meta.items() if k not in ("loops", "callbacks", "optimizer_states", "lr_schedulers")}
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        torch.save({**keep, "state_dict": state_dict}, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return state_dict
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m lightning_bfpp.checkpoint",
+        description="Export a bfpp (sharded) checkpoint folder to one plain state-dict file.",
+    )
+    p.add_argument("checkpoint", type=Path, help="checkpoint folder written by strategy='bfpp'")
+    p.add_argument("out", type=Path, help="output file, e.g. model.ckpt")
+    p.add_argument("--trust", action="store_true",
+                   help=f"unpickle without restrictions (only for a checkpoint from a source you trust; or {TRUST_ENV}=1)")
+    a = p.parse_args(argv)
+    try:
+        state = export(a.checkpoint, a.out, trust=a.trust)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    n = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
+    print(f"wrote {a.out}: {len(state)} tensors, {n:,} parameters")

@@ -1,0 +1,332 @@
+# Scope: sharded checkpoints keyed by the model's global parameter names, so a checkpoint written with
+# one (pp, loops, dp) loads into any other layout; atomic saves with a checksum manifest; loading that never
+# runs code from the files (see .safety) and checks the checkpoint against the model.
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .manifest import (
+    META_FILE,
+    check_folder,
+    hash_files,
+    newest_note,
+    remove_stale_tmp,
+    verify_checksums,
+    write_manifest,
+)
+from .safety import TRUST_ENV, CheckpointError, SafePlanner, SafeReader, load_file, trusted
+
+# Optimizer state flattened to per-parameter keys ("state.blocks.3.fc.weight.exp_avg", "param_groups.
+# blocks.3.fc.weight.lr"): every rank saves and loads exactly its parameters' entries, whatever the layout.
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+MODEL_OPTIONS = StateDictOptions()
+LIGHTNING_PATHS = ("last", "best", "hpc")  # resolved by Lightning itself, after launch
+SCHEDULER_SETTINGS = {"initial_lr"}  # what torch's LR schedulers add to param groups: kept quietly when not saved
+Shapes = dict[str, "tuple[int, ...] | None"]
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {f"rank{_rank()}.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[f"rank{_rank()}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
+
+
+# ---- save ------------------------------------------------------------------------------------
+def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Write `state` (tensors, sharded or not) with torch.distributed.checkpoint on all ranks, plus rank 0's
+    `meta` and a manifest of every file's size and sha256 (hashing split over the ranks). The folder appears
+    under `path` only once complete: an interrupted save leaves a hidden `.tmp-*` folder that is never taken
+    for a checkpoint, and is removed by a later successful save in the same directory."""
+    path = Path(path)
+    token = [uuid.uuid4().hex if _rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    tmp = path.parent / f".{path.name}.tmp-{token[0][:8]}"
+    dcp.save({**state, "rng": rng_state()}, checkpoint_id=tmp)
+    names: list[Any] = [None]
+    if _rank() == 0:
+        torch.save(meta, tmp / META_FILE)
+        _warn_unsafe_meta(tmp / META_FILE)
+        names = [sorted(p.name for p in tmp.iterdir() if p.is_file())]
+    if dist.is_initialized():
+        dist.broadcast_object_list(names, src=0)
+    files = hash_files(tmp, names[0])
+    if _rank() == 0:
+        write_manifest(tmp, files, meta.get("global_step"))
+        # the old checkpoint steps aside (a rename) before the new one takes its name, and is deleted only then:
+        # a kill at any moment leaves a complete checkpoint, never a half-deleted one
+        old = path.parent / f".{path.name}.tmp-{token[0][:8]}-replaced"
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        if old.is_dir():
+            shutil.rmtree(old)
+        elif old.exists():
+            old.unlink()
+        for stale in remove_stale_tmp(path.parent):
+            rank_zero_info(f"removed {stale}: an interrupted save's partial checkpoint")
+    _barrier()
+
+
+def _warn_unsafe_meta(file: Path) -> None:
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    if unsafe:
+        rank_zero_warn(f"{file.parent.name}/{META_FILE} holds types {unsafe[:5]} (hyper-parameters or callback state) "
+                       "that loading refuses by default (they could run code); register them with "
+                       "torch.serialization.add_safe_globals([...]) before resuming, or resume with "
+                       f"BFPPStrategy(trust_checkpoints=True) / {TRUST_ENV}=1.")
+
+
+def is_sharded(path: Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+
+def read_meta(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
+    """Lightning's metadata of a checkpoint (a folder's meta.pt, or a plain file), read without running code."""
+    path = Path(path)
+    folder = path.is_dir()
+    meta = load_file(path / META_FILE if folder else path, trusted(trust), map_location="cpu", mmap=not folder)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: holds a {type(meta).__name__}, not Lightning's checkpoint metadata.")
+    return meta
+
+
+# ---- checks ----------------------------------------------------------------------------------
+def check_path(ckpt_path: str | os.PathLike | None, trust: bool = False) -> None:
+    """Fail before any process starts when `ckpt_path` is not a loadable checkpoint: missing, not a checkpoint,
+    incomplete (files missing or shorter than recorded), or holding anything but plain data and tensors.
+    Checksums are verified later, by all ranks together, when the checkpoint loads."""
+    if ckpt_path is None or str(ckpt_path) in LIGHTNING_PATHS or str(ckpt_path).startswith("registry"):
+        return
+    path, trust = Path(ckpt_path), trusted(trust)
+    if path.is_dir():
+        check_folder(path, trust)
+    elif path.is_file():
+        _read_full_file(path, trust)
+    else:
+        raise CheckpointError(f"ckpt_path={str(ckpt_path)!r} does not exist.{newest_note(path)}")
+
+
+def _saved_shapes(metadata: Metadata) -> Shapes:
+    prefix = "state_dict."
+    return {k[len(prefix):]: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
+            for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+
+
+def _shapes(state: dict[str, Any]) -> Shapes:
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+
+
+def _model_shapes(local: dict[str, Any]) -> Shapes:
+    """Names and global shapes of the whole model: every rank's local stages together (collective)."""
+    shapes = _shapes(local)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return shapes
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, shapes)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _differences(saved: Shapes, model: Shapes, aliases: dict[str, list[str]]) -> tuple[list, list, list]:
+    """(missing in the checkpoint, not in the model, [(name, saved shape, model shape)]); a tied weight matches
+    under any of its names."""
+    def present(name: str, pool: Shapes) -> bool:
+        return name in pool or any(a in pool for a in aliases.get(name, ()))
+
+    missing = [n for n in model if not present(n, saved)]
+    unexpected = [n for n in saved if not present(n, model)]
+    mismatched = [(n, saved[n], model[n]) for n in model if n in saved and saved[n] != model[n]]
+    return missing, unexpected, mismatched
+
+
+def _few(names: list, n: int = 3) -> str:
+    return ", ".join(map(str, names[:n])) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def _describe(source: Path, missing: list, unexpected: list, mismatched: list) -> str:
+    parts = []
+    if missing:
+        parts.append(f"missing in the checkpoint: {_few(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in this model: {_few(unexpected)}")
+    if mismatched:
+        parts.append("different shapes: " + _few([f"{n} {a} in the checkpoint vs {b} here" for n, a, b in mismatched]))
+    return (f"{source} was saved from a different model: " + "; ".join(parts) + ". Use the model settings it was "
+            "saved with, or set `strict_loading = False` on the LightningModule to load only the weights whose names "
+            "and shapes match (the optimizer state is then not restored).")
+
+
+def _check_model(source: Path, saved: Shapes, local: dict[str, Any], strict: bool,
+                 aliases: dict[str, list[str]]) -> set[str] | None:
+    """None when the checkpoint and the model match; otherwise (strict=False) the local names to load."""
+    missing, unexpected, mismatched = _differences(saved, _model_shapes(local), aliases)
+    if not (missing or unexpected or mismatched):
+        return None
+    message = _describe(source, missing, unexpected, mismatched)
+    if strict:
+        raise CheckpointError(message)
+    rank_zero_warn(f"strict_loading=False: {message.split('. Use the model settings')[0]}; loading the "
+                   f"matching weights only, without optimizer state.")
+    local_shapes = _shapes(local)
+    return {k for k in local if k in saved and saved[k] == local_shapes[k]}
+
+
+# ---- load ------------------------------------------------------------------------------------
+def dcp_load(state: dict[str, Any], path: Path, trust: bool) -> None:
+    """dcp.load through the safe reader and planner; a failure on any rank is raised on every rank by name."""
+    try:
+        with warnings.catch_warnings():  # one process (export): torch warns that it assumes so, on every call
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeReader(path, trust), planner=SafePlanner(trust),
+                     no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+        ours = [exc for exc in failures if isinstance(exc, CheckpointError)]
+        if ours:
+            raise type(ours[0])(str(ours[0])) from None
+        raise CheckpointError(f"{path}: loading failed on rank(s) {sorted(e.failures)}: "
+                              f"{type(failures[0]).__name__}: {failures[0]}") from e
+
+
+def load(
+    path: Path,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool = True,
+    aliases: dict[str, list[str]] | None = None,
+    trust: bool = False,
+) -> dict[str, Any]:
+    """Load a sharded checkpoint (any layout) or a single full file into the local stages; return metadata.
+
+    Every rank checks the folder (files present and complete, read without running code), verifies its share
+    of the checksums, and compares the checkpoint's parameter names and shapes with the whole model's: a
+    difference fails unless `strict` is False (then the matching weights load, the optimizer state does not).
+    `aliases`: other names of a shared (tied) weight. A layout with one copy saves its optimizer state under
+    one name only; a layout with a copy per stage reads each copy's state from whichever name was saved."""
+    path, trust, aliases = Path(path), trusted(trust), aliases or {}
+    if path.is_file():
+        return _load_full_file(path, module, strict, aliases, bool(optimizers), trust)
+    if not path.exists():
+        raise CheckpointError(f"ckpt_path={str(path)!r} does not exist.{newest_note(path)}")
+    metadata, meta, manifest = check_folder(path, trust)
+    verify_checksums(path, manifest)
+    saved = set(metadata.state_dict_metadata)
+    local = get_model_state_dict(module, options=MODEL_OPTIONS)
+    partial = _check_model(path, _saved_shapes(metadata), local, strict, aliases)
+    model_state = {"state_dict": local if partial is None else {k: v for k, v in local.items() if k in partial}}
+    dcp_load(model_state, path, trust)
+    set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=strict and partial is None))
+    for i, opt in enumerate(optimizers if partial is None else []):
+        wanted = optimizer_state(module, opt)
+        renamed = _saved_names(wanted, f"optimizer_{i}", saved, aliases)
+        # param-group settings the checkpoint lacks (e.g. `initial_lr`, which an LR scheduler made after the save
+        # adds, as Lightning's lr_find does) keep their current values; missing optimizer *state* still fails
+        kept = {k: v for k, v in wanted.items()
+                if k.startswith("param_groups.") and f"optimizer_{i}.{renamed.get(k, k)}" not in saved}
+        request = {f"optimizer_{i}": {renamed.get(k, k): v for k, v in wanted.items() if k not in kept}}
+        dcp_load(request, path, trust)
+        back = {v: k for k, v in renamed.items()}
+        loaded = {back.get(k, k): v for k, v in request[f"optimizer_{i}"].items()} | kept
+        settings = sorted({k.rsplit(".", 1)[-1] for k in kept} - SCHEDULER_SETTINGS)
+        if settings:
+            rank_zero_warn(f"{path}: optimizer_{i}'s param groups have {', '.join(settings)}, which the checkpoint does "
+                           "not: their current values are kept.")
+        set_optimizer_state_dict(module, opt, loaded, options=OPTIM_OPTIONS)
+    _restore_rng(path, saved, trust)
+    return meta
+
+
+def _saved_names(wanted: dict[str, Any], prefix: str, saved: set[str], aliases: dict[str, list[str]]) -> dict[str, str]:
+    """{flattened optimizer key: the key to read instead} for keys of a tied weight saved under another name
+    (flattened keys look like 'state.<parameter name>.exp_avg' and 'param_groups.<parameter name>.lr')."""
+    renamed = {}
+    for key in wanted:
+        if f"{prefix}.{key}" in saved:
+            continue
+        kind, _, rest = key.partition(".")
+        for name, others in aliases.items():
+            if rest.startswith(name + "."):
+                for other in others:
+                    alt = f"{kind}.{other}{rest[len(name):]}"
+                    if f"{prefix}.{alt}" in saved:
+                        renamed[key] = alt
+                        break
+    return renamed
+
+
+def _restore_rng(path: Path, keys: set[str], trust: bool) -> None:
+    """`keys`: the checkpoint's saved keys (its metadata, read once by `load`)."""
+    # Every rank takes part in the (collective) load, also ranks the saving layout did not have.
+    box = {"rng": {k: v for k, v in rng_state().items() if f"rng.{k}" in keys}}
+    dcp_load(box, path, trust)
+    for key, value in box["rng"].items():
+        (torch.set_rng_state if key.endswith(".torch") else torch.cuda.set_rng_state)(value)
+
+
+def _read_full_file(path: Path, trust: bool) -> dict[str, Any]:
+    checkpoint = load_file(path, trust, map_location="cpu", mmap=True)
+    full = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(full, dict) or not all(isinstance(v, torch.Tensor) for v in full.values()):
+        raise CheckpointError(f"{path} is not a checkpoint: neither a bfpp checkpoint folder nor a file holding a "
+                              "state dict of tensors (an export of python -m lightning_bfpp.checkpoint, or a "
+                              "single-process Lightning checkpoint).")
+    return checkpoint
+
+
+def _load_full_file(path: Path, module: nn.Module, strict: bool, aliases: dict[str, list[str]], fitting: bool,
+                    trust: bool) -> dict[str, Any]:
+    """A plain (single-process) Lightning checkpoint or an exported file: full tensors by global name.
+
+    Weights load into any layout (validate/test/predict with ``ckpt_path=file``); loops and LR schedulers
+    follow when the file has them. Optimizer state in Lightning's id-keyed form is not restored. A file with
+    weights only (an export) starts `fit` from those weights at step 0 with a fresh optimizer and LR schedule."""
+    checkpoint = _read_full_file(path, trust)
+    if checkpoint.get("optimizer_states"):
+        rank_zero_warn(f"{path}: a plain checkpoint's optimizer state is not restored under strategy='bfpp' "
+                       "(only weights, loops and schedulers); resume from a bfpp checkpoint folder for exact resume.")
+    elif fitting and "lr_schedulers" not in checkpoint:
+        rank_zero_warn(f"{path} holds weights only (an export): training starts from these weights at step 0 with a "
+                       "fresh optimizer and LR schedule; resume from a bfpp checkpoint folder to continue a run exactly.")
+    checkpoint.setdefault("lr_schedulers", [])
+    full = checkpoint.get("state_dict", checkpoint)
+    local = get_model_state_dict(module)
+    partial = _check_model(path, _shapes(full), local, strict, aliases)
+    names = [k for k in local if k in full] if partial is None else sorted(partial)
+    set_model_state_dict(module, {k: full[k] for k in names}, options=StateDictOptions(full_state_dict=True, strict=False))
+    checkpoint.pop("state_dict", None)
+    checkpoint.pop("optimizer_states", None)
+    return checkpoint

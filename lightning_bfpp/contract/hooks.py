@@ -1,0 +1,252 @@
+# Scope: the user-facing contract. A LightningModule opts into pipelining by defining these hooks
+# (inherit `PipelineHooks` for the defaults and docs, or define them by duck typing).
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layer_io import LayerCall, compute_side_inputs, describe_structure, no_side_inputs, side_inputs_of
+
+
+class PipelineHooks:
+    """Mixin describing how bfpp cuts a LightningModule into pipeline stages.
+
+    Required:
+        ``pipeline_layers()``: the model as an ordered list of submodules of ``self``; layer ``i``'s
+        output (a tensor or tuple of tensors) is layer ``i+1``'s input. Stages are contiguous runs of
+        layers, so parameter names stay the model's own (``blocks.3.attn.weight`` everywhere).
+        ``pipeline_loss(output, target)``: the loss of one micro-batch from the last layer's output
+        (mean-reduced, like ``F.cross_entropy``).
+
+    Optional:
+        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``, ``(x,)`` or the
+        tensor ``x`` (target None: prediction). ``inputs``
+        (a tensor or a flat tuple of tensors) are the first layer's arguments.
+        ``pipeline_side_inputs(inputs)``: a dict of values every layer may need besides its input (position ids,
+        rotary cos/sin, an attention mask), computed once per micro-batch on every stage from that micro-batch's
+        ``inputs``; each layer whose ``forward`` takes a keyword of that name (or ``**kwargs``) receives it, so
+        layers such as Hugging Face decoder layers are listed as they are. Nothing of it crosses stages.
+        ``pipeline_train_metrics(output, target)``: called once per training step on the rank(s) holding the last
+        stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
+        with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
+        step ends (for a language model: the logits of the whole batch).
+        ``pipeline_tp_plan(layer_name, layer, tensor_parallel)``: needed for ``BFPPStrategy(tensor_parallel>1)``; for
+        each layer (``layer_name`` as in stage names), a dict {submodule name or ``*`` pattern inside ``layer``: torch
+        ``ParallelStyle``} applied with ``parallelize_module`` over the tensor-parallel group, or None to keep it whole.
+        Each layer must return its output whole (end a column-wise split with a row-wise one, or gather it):
+        activations cross stages whole. Raise naming the setting when the model cannot split by ``tensor_parallel``
+        (e.g. heads); a weight tied to another module cannot be split. See ``lightning_bfpp.layout.tensor_parallel``.
+
+    Your ``validation_step``, ``test_step`` and ``predict_step`` run as written on the last stage's ranks, with
+    ``self(x)`` returning the pipeline's output; ``training_step`` is replaced by the pipeline (``pipeline_loss``).
+    """
+
+    def pipeline_layers(self) -> Sequence[nn.Module]:
+        raise NotImplementedError("define pipeline_layers() to return the model's ordered layers")
+
+    def pipeline_loss(self, output: Any, target: Any) -> torch.Tensor:
+        raise NotImplementedError("define pipeline_loss(output, target) to return a micro-batch's loss")
+
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        if isinstance(batch, torch.Tensor):  # inputs alone (e.g. a prediction loader): no target
+            return batch, None
+        if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):  # (inputs,) from TensorDataset(x), or (inputs, target)
+            return batch[0], batch[1] if len(batch) == 2 else None
+        raise TypeError(
+            f"the default pipeline_inputs(batch) takes a batch (inputs, target), (inputs,) or an inputs tensor; got "
+            f"{describe_structure(batch)}: define pipeline_inputs(batch) -> (inputs, target) on {type(self).__name__}."
+        )
+
+    pipeline_side_inputs = no_side_inputs
+
+    def pipeline_forward(self, inputs: Any) -> Any:
+        """Run all layers in order — the unpipelined forward, for use in ``forward``/``training_step`` (side
+        inputs computed once and passed as under bfpp)."""
+        fn = side_inputs_of(self)
+        side = compute_side_inputs(fn, inputs) if fn is not None else None
+        out = inputs
+        for i, layer in enumerate(self.pipeline_layers()):
+            args, kwargs = LayerCall(layer, f"pipeline_layers()[{i}]").arguments(out, side)
+            out = layer(*args, **kwargs)
+        return out
+
+
+REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
+
+
+def check_hooks(module: nn.Module) -> None:
+    """Raise a TypeError naming the missing hook when `module` cannot be pipelined."""
+    for hook in REQUIRED_HOOKS:
+        fn = getattr(module, hook, None)
+        base = getattr(PipelineHooks, hook)
+        if fn is None or getattr(fn, "__func__", None) is base:
+            raise TypeError(
+                f"strategy='bfpp' needs `{type(module).__name__}.{hook}()`: "
+                "see lightning_bfpp.PipelineHooks for the contract (README: 'Adapting a model')."
+            )
+
+
+def check_module(module: nn.Module, precision: str, loss_scaling: bool) -> None:
+    """Raise naming the setting when strategy='bfpp' cannot honour `module` as written: a missing hook, manual
+    optimization, a `training_step(dataloader_iter)`, or fp16 (`precision`; `loss_scaling`: a grad scaler)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    check_hooks(module)
+    name = type(module).__name__
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{name}.automatic_optimization=False: strategy='bfpp' runs forward and backward of every micro-batch "
+            "itself inside the training step, so a manual optimization loop cannot run; use automatic "
+            "optimization (return the loss, or let bfpp compute it with pipeline_loss) or another strategy."
+        )
+    if is_overridden("training_step", module) and "dataloader_iter" in inspect.signature(module.training_step).parameters:
+        raise ValueError(f"{name}.training_step(dataloader_iter): strategy='bfpp' needs one batch per step; take `batch`.")
+    if loss_scaling or precision.startswith("16"):
+        raise ValueError(
+            f"precision={precision!r}: strategy='bfpp' does not support fp16 (no loss scaling across pipeline "
+            "stages; fp16 overflows within steps); use precision='bf16-mixed' or 'bf16-true' (or '32-true')."
+        )
+
+
+def describe_contract(module: nn.Module) -> str:
+    """One line saying which of the user's methods bfpp runs as written and which the pipeline replaces."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    name = type(module).__name__
+    metrics = "pipeline_train_metrics(output, target)" if callable(getattr(module, "pipeline_train_metrics", None)) \
+        else "none (define pipeline_train_metrics(output, target) to log training metrics)"
+    replaced = (f"{name}.training_step is not run: " if is_overridden("training_step", module) else "") + \
+        "each training step runs the pipeline schedule with pipeline_loss per micro-batch and logs train_loss"
+    as_written = [m for m in ("validation_step", "test_step", "predict_step") if is_overridden(m, module)]
+    return (f"bfpp: {replaced}; training metrics: {metrics}; run as written on the last stage with self(x) = the "
+            f"pipeline's output: {', '.join(as_written) or 'none'} (README: Adapting a model).")
+
+
+# what in a user's step only does something on global rank 0 (Lightning's rank-zero-only printing and loggers)
+RANK_ZERO_ONLY = ("self.print(", "global_rank", "is_global_zero", "self.logger", "self.loggers", "rank_zero")
+LAST_STAGE_METHODS = ("validation_step", "test_step", "predict_step", "pipeline_train_metrics")
+
+
+def _user_source(module: nn.Module, method: str) -> str | None:
+    """The source of `method` when the user's class defines it (not Lightning, torch or bfpp); None otherwise or when
+    the source cannot be read."""
+    fn = getattr(type(module), method, None)
+    if fn is None or getattr(fn, "__module__", "").startswith(("lightning.", "lightning_bfpp.", "torch.")):
+        return None
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+
+
+def rank_zero_work_on_last_stage(module: nn.Module, pipeline_parallel: int) -> str | None:
+    """A warning when a method bfpp runs only on the last stage's ranks (never global rank 0 when pipeline_parallel
+    > 1) contains rank-zero-only work, which would then run on no rank; None when there is none (or no source)."""
+    if pipeline_parallel <= 1:
+        return None
+    found = []
+    for method in LAST_STAGE_METHODS:
+        source = _user_source(module, method) or ""
+        found += [f"{method} uses `{token.rstrip('(')}`" for token in RANK_ZERO_ONLY if token in source]
+    if not found:
+        return None
+    return (f"bfpp: {type(module).__name__}.{'; '.join(found)}: with pipeline_parallel={pipeline_parallel} these methods "
+            f"run only on the ranks of pipeline rank {pipeline_parallel - 1} (the last stage), never on global rank 0, "
+            "so rank-zero-only work in them (self.print, `if self.global_rank == 0`, logger calls, logger.experiment) "
+            "happens on no rank. Log with self.log (replayed on every rank), or do that work in a hook every rank "
+            "runs: the step's return value reaches on_validation_batch_end / on_test_batch_end / "
+            "on_predict_batch_end as `outputs` on every rank.")
+
+
+def forward_not_the_pipeline(module: nn.Module) -> str | None:
+    """A warning when the module's own `forward` does not go through its pipeline layers (bfpp never calls it: training
+    and ``self(x)`` in the user's steps are the layers of ``pipeline_layers()`` in order), so whatever else it does
+    would be silently left out; None when it calls ``pipeline_forward``/``pipeline_layers`` (or has no source)."""
+    source = _user_source(module, "forward")
+    if source is None or "pipeline_forward" in source or "pipeline_layers" in source:
+        return None
+    return (f"bfpp: {type(module).__name__}.forward is never called under strategy='bfpp': training and self(x) in your "
+            "steps run the layers of pipeline_layers() in order. Anything else forward does (another order, extra "
+            "modules or arithmetic between layers) is left out; write it as `return self.pipeline_forward(x)` so both "
+            "are the same (README: Adapting a model).")
+
+
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+_LOGGED_NAME = re.compile(r"""self\.log\(\s*f?["']([^"']+)["']|self\.log_dict\(""")
+
+
+def _logged_names(source: str | None) -> set[str]:
+    """The names a method's source logs with self.log("name", ...) ("self.log_dict(...)" for a log_dict call)."""
+    return {m.group(1) or "self.log_dict(...)" for m in _LOGGED_NAME.finditer(source or "")}
+
+
+def not_run_as_written(module: nn.Module, micro_batches: int) -> list[str]:
+    """Warnings for what the module defines that bfpp runs differently from one process: the logs of its own
+    ``training_step`` (not run), its own ``backward`` (the schedule runs backward per micro-batch) and batch
+    normalization (statistics per micro-batch)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    name, found = type(module).__name__, []
+    lost = _logged_names(_user_source(module, "training_step")) - {"train_loss"} \
+        - _logged_names(_user_source(module, "pipeline_train_metrics"))
+    if lost:
+        found.append(
+            f"bfpp: {name}.training_step logs {', '.join(sorted(lost))}, which will not be logged: under "
+            "strategy='bfpp' training_step does not run (each step runs the pipeline schedule and logs train_loss). "
+            "Log training metrics from pipeline_train_metrics(output, target), which runs once per step on the last "
+            "stage with the step's output.")
+    if is_overridden("backward", module):
+        found.append(
+            f"bfpp: {name}.backward is never called under strategy='bfpp': the schedule runs backward of every "
+            "micro-batch itself and hands the gradients to Lightning's backward step, so anything your backward adds "
+            "(a scaled loss, retain_graph, extra terms) is left out. Put gradient changes in on_after_backward or "
+            "on_before_optimizer_step (they run as usual), and loss terms in pipeline_loss.")
+    norms = [n for n, m in module.named_modules() if isinstance(m, BATCH_NORMS)]
+    if norms and micro_batches > 1:
+        found.append(
+            f"bfpp: {name} has batch normalization ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}): with "
+            f"micro_batches={micro_batches} it normalizes each micro-batch (the replica's batch / {micro_batches}) and "
+            f"updates its running statistics {micro_batches} times per step, so training differs from one process "
+            "with the whole batch (as under gradient accumulation). Use LayerNorm or GroupNorm for results that do "
+            "not depend on the micro-batch size.")
+    return found
+
+
+def check_callbacks(callbacks: list) -> None:
+    """Raise naming a callback strategy='bfpp' cannot honour: StochasticWeightAveraging copies the whole module
+    before the model is cut and pairs its parameters with this rank's stages in order (wrong weights, or a shape
+    error), then runs a forward outside the pipeline; Lightning refuses it for FSDP and DeepSpeed likewise."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
+        raise ValueError(
+            "StochasticWeightAveraging does not work under strategy='bfpp': it keeps a copy of the whole model and "
+            "pairs its parameters with this rank's pipeline stages in order (Lightning refuses it for sharded "
+            "strategies too). Average weights in a callback of your own over pl_module.parameters() (each rank "
+            "holds its own stages), or use strategy='auto'/'ddp' for SWA.")
+
+
+def contract_notes(module: nn.Module, pipeline_parallel: int, micro_batches: int) -> tuple[str, list[str]]:
+    """What bfpp tells the user once, at start: the contract line (``describe_contract``) and the warnings about
+    methods that will not run as written."""
+    warnings = (rank_zero_work_on_last_stage(module, pipeline_parallel), forward_not_the_pipeline(module),
+                *not_run_as_written(module, micro_batches))
+    return describe_contract(module), [w for w in warnings if w is not None]
+
+
+def training_batch(module: nn.Module, batch: Any) -> tuple[Any, Any]:
+    """(inputs, target) of a training batch by the module's ``pipeline_inputs``; a batch of inputs alone under the
+    default hook is refused, naming the fix."""
+    inputs, target = module.pipeline_inputs(batch)
+    if target is None and getattr(type(module), "pipeline_inputs", None) is PipelineHooks.pipeline_inputs:
+        raise ValueError(f"a training batch of {type(module).__name__} holds inputs only: strategy='bfpp' trains on "
+                         "(inputs, target) batches (pipeline_loss(output, target)); return both from the training "
+                         "loader, or define pipeline_inputs(batch) -> (inputs, target).")
+    return inputs, target

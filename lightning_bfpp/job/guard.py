@@ -1,0 +1,100 @@
+# Scope: this rank's part in ending the job together (the strategy calls it from its Lightning hooks): the
+# watchdog starts with the process group, an exception is reported to every rank, a stop signal ends the
+# process with the job's exit code, and Lightning's launching process takes its child ranks down with it.
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+from .._private.lightning_api import process_group_timeout_at_least
+from .._private.torch_api import set_default_group_timeout
+from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
+from .watchdog import FAILED, STOP_SIGNALS, Watchdog
+
+STARTUP_TIMEOUT = timedelta(minutes=5)  # the least the rendezvous waits for every process to start
+
+
+def rendezvous(strategy, setup_distributed: Callable[[], None]) -> None:
+    """`setup_distributed()` (Lightning's process-group set-up) waiting at least STARTUP_TIMEOUT for every process
+    to start (imports, a slow file system, a loaded machine); afterwards every wait is bounded by the strategy's
+    `timeout` again."""
+    with process_group_timeout_at_least(strategy, STARTUP_TIMEOUT) as requested:
+        setup_distributed()
+    if requested is not None and requested < STARTUP_TIMEOUT:
+        set_default_group_timeout(requested)
+
+
+def as_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """The strategy's `timeout` (a timedelta, or seconds) as a timedelta; a non-positive number is refused."""
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (default 1800).")
+        return timedelta(seconds=timeout)
+    return timeout
+
+
+class JobGuard:
+    """One per strategy; see ``lightning_bfpp.job.watchdog`` for how a failure or a signal reaches every rank."""
+
+    def __init__(self) -> None:
+        self.watchdog: Watchdog | None = None
+        self.launcher = None  # Lightning's launcher when this process launched the others
+        self.failed = False
+
+    def start(self, global_rank: int, world_size: int, cluster_environment, launcher) -> None:
+        """After the process group exists (a one-process job needs no watchdog)."""
+        self.launcher = launcher
+        if world_size <= 1 or self.watchdog is not None:
+            return
+        requeue = slurm_requeue_signal(cluster_environment)
+        self.watchdog = Watchdog(global_rank, world_size, on_exit=self.kill_children,
+                                 signals=STOP_SIGNALS + ((requeue,) if requeue else ()),
+                                 on_signal_stop=(lambda signum: requeue_slurm_job()) if requeue and global_rank == 0 else None)
+        self.watchdog.start()
+        self.failed = False
+
+    def progress(self, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.progress(step)
+
+    def claim_signals(self) -> None:
+        """Lightning installs its SIGTERM handler after ``setup_environment``; the watchdog's handlers go back on
+        top at the start of every loop."""
+        if self.watchdog is not None:
+            self.watchdog.claim_signals()
+
+    def kill_children(self, wait: float = 0.0) -> None:
+        """When this rank is Lightning's launching process, its child ranks go down with it (after `wait`
+        seconds in which they may stop by themselves and say why)."""
+        if isinstance(self.launcher, CheckingLauncher):
+            self.launcher.stop_children(wait)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the rank that failed first, on every rank. The launching process hosts the job's store: it
+        outlives its children so they can read why the job stops."""
+        self.failed = True
+        if self.watchdog is None:  # before the process group (e.g. its rendezvous timed out): nothing to say
+            self.kill_children()
+            return
+        self.watchdog.report(exception)
+        signalled = self.watchdog.code != FAILED
+        self.kill_children(wait=self.watchdog.interval + (1.0 if signalled else self.watchdog.grace + 1.0))
+
+    def stop(self) -> int | None:
+        """Stop the watchdog; returns the exit code a stop signal gave the job (None: end normally)."""
+        if self.watchdog is None:
+            return None
+        code = self.watchdog.code if self.failed else None
+        self.watchdog.stop(finished=not self.failed)
+        self.watchdog = None
+        return code if code != FAILED else None
+
+    @staticmethod
+    def exit(code: int) -> None:
+        """End the process with the job's code (128 + N) rather than the code of a secondary error (a peer's
+        closed connection), which would say 1 on some ranks."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,76 @@
+# Scope: the (pipeline_parallel, data_parallel[, tensor_parallel]) DeviceMesh and the process groups over it, built
+# once per process; the mesh's axis names.
+from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
+
+# Process groups built under the current default group, by what they are: every Trainer run in a long-lived
+# process (a notebook, an in-process sweep, a benchmark running many fits) reuses them instead of creating new
+# communicators, whose threads (gloo: a few per group) and connections would pile up for the process's lifetime.
+_GROUPS: dict[tuple, tuple[object, object]] = {}
+
+
+def _once(key: tuple, make):
+    """`make()` once per `key` under the current default process group (a new default group builds anew).
+    NOTE: every rank calls this for the same keys in the same order (group creation is collective)."""
+    world = dist.group.WORLD
+    entry = _GROUPS.get(key)
+    if entry is None or entry[0] is not world:
+        entry = _GROUPS[key] = (world, make())
+    return entry[1]
+
+
+def forget_groups() -> None:
+    """Build new groups from the next run on (after a failure, a group may hold a broken collective)."""
+    _GROUPS.clear()
+
+
+def shared_group(ranks: Collection[int], timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """``dist.new_group(ranks, timeout=...)``, made once per process (see `_once`)."""
+    ranks = sorted(ranks)
+    return _once(("group", tuple(ranks), timeout), lambda: dist.new_group(ranks, timeout=timeout))
+
+
+def build_mesh(device_type: str, pipeline_parallel: int, world_size: int, timeout: timedelta | None = None,
+               tensor_parallel: int = 1) -> DeviceMesh:
+    """(pp, dp) mesh, dp innermost: the ranks of one data-parallel group are contiguous (same node); with
+    `tensor_parallel` > 1, (pp, dp, tp) with tp innermost (one tensor-parallel group within a node).
+    Its process groups get `timeout` (torch would give subgroups its 30 min default, not the world's). The same
+    layout built again in this process returns the same mesh (its groups are made once, `_once`)."""
+    if world_size % (pipeline_parallel * tensor_parallel):
+        raise ValueError(
+            f"pipeline_parallel x tensor_parallel = {pipeline_parallel} x {tensor_parallel} must divide the world size "
+            f"({world_size} = devices x num_nodes)."
+        )
+    names = (PP, DP, TP) if tensor_parallel > 1 else (PP, DP)
+    shape = (pipeline_parallel, world_size // (pipeline_parallel * tensor_parallel), tensor_parallel)[:len(names)]
+
+    def make() -> DeviceMesh:
+        if timeout is None:
+            return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        grid = torch.arange(world_size).reshape(shape)
+        return DeviceMesh.from_group(_dim_groups(grid, timeout), device_type, mesh=grid, mesh_dim_names=names)
+
+    return _once(("mesh", device_type, shape, timeout), make)
+
+
+def _dim_groups(ranks: torch.Tensor, timeout: timedelta) -> list[dist.ProcessGroup]:
+    """For each dimension of the rank grid `ranks`, this rank's process group along it, created with `timeout`
+    (public `new_subgroups_by_enumeration`: every rank creates every group of a dimension, in the same order)."""
+    groups = []
+    for dim in range(ranks.ndim):
+        members = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+        mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
+        groups.append(mine)
+    return groups
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,137 @@
+# Scope: the strategy's layout as it gets decided — the settings as given (checked before any process starts), then
+# the world size, then the model's layer count and, for layout="auto", the planner's pick — each step checked by the
+# one set of rules in ``schedule.dims``; the training schedule built for it.
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from torch import nn
+
+from ..schedule import Schedule, ScheduleSpec, build_schedule
+from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
+from .auto import KNOBS, AutoLayout, decide, sample_inputs
+from .partition import check_layout
+
+BATCH_NAMES = Names(batch="global_batch_size")
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class LayoutPlan:
+    """pipeline_parallel, loops, micro_batches, schedule, sharding and the stage cut of a BFPPStrategy (its
+    arguments of the same names; see ``BFPPStrategy``)."""
+
+    def __init__(self, pipeline_parallel: int | None, tensor_parallel: int, loops: int | None,
+                 micro_batches: int | None, schedule: str | None, groups: int | None, sharding: str | None,
+                 reshard_after_forward: bool | None, stage_layers: Sequence[int] | Literal["auto"] | None,
+                 layout: Literal["auto"] | AutoLayout | None, global_batch_size: int | None) -> None:
+        given = dict(pipeline_parallel=pipeline_parallel, loops=loops, micro_batches=micro_batches, groups=groups,
+                     schedule=schedule, sharding=sharding, reshard_after_forward=reshard_after_forward)
+        self.auto_layout = AutoLayout() if layout == "auto" else layout  # decided once the world is up (`decide`)
+        if self.auto_layout is not None and not isinstance(self.auto_layout, AutoLayout):
+            raise ValueError(f"layout={layout!r} must be 'auto', an AutoLayout(...) or None (the knobs as given).")
+        self.pinned = {k: given[k] for k in KNOBS if given[k] is not None} if self.auto_layout else {}
+        if (self.auto_layout or global_batch_size is not None) and not _positive_int(global_batch_size):
+            raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer, the samples per "
+                             "optimizer step over all replicas (layout='auto' needs global_batch_size: every candidate "
+                             "layout trains that same batch, each replica loading global_batch_size / data_parallel, "
+                             "strategy.replica_batch_size).")
+        if self.auto_layout and tensor_parallel != 1:
+            raise ValueError(f"layout='auto' searches tensor_parallel=1 only; set the layout by hand for tensor_parallel"
+                             f"={tensor_parallel!r}.")
+        self.global_batch_size = global_batch_size
+        self.decided = False  # layout="auto": decided in `decide`
+        # pp = world size, decided once the world is known (layout="auto": the planner's)
+        self.default_layout = pipeline_parallel is None and self.auto_layout is None
+        self.requested_micro_batches = micro_batches
+        self.announced = False
+        pp = 1 if pipeline_parallel is None else pipeline_parallel
+        m = micro_batches if micro_batches is not None else 1 if self.auto_layout else pp
+        spec = ScheduleSpec(_given(schedule, "breadth_first"), pipeline_parallel=pp, loops=_given(loops, 1),
+                            groups=_given(groups, 1), micro_batches=m,
+                            reshard_after_forward=bool(_given(reshard_after_forward, False)))
+        sharding = _given(sharding, "full")  # (None: not given; 0, "" and other values are checked as given)
+        # Bad settings fail here, before any process starts: the layout's rules (``schedule.dims``) with the world
+        # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
+        # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
+        self.dims = ParallelDims(world=pp * tensor_parallel if isinstance(tensor_parallel, int) else pp, spec=spec,
+                                 tensor_parallel=tensor_parallel, sharding=sharding).validate()
+        self.train_schedule: Schedule = build_schedule(spec)
+        # one positive count per stage now; that they add up to the model's layers is checked with the model
+        self.stage_layers = "auto" if stage_layers == "auto" else check_layout(
+            stage_layers, None, len(stage_layers) if self.auto_layout else spec.num_stages) if stage_layers else None
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        return self.dims.spec
+
+    @property
+    def undecided(self) -> bool:
+        """Whether the stage cut is still to be decided (stage_layers="auto", or layout="auto" before `decide`)."""
+        return self.stage_layers == "auto" or (self.auto_layout is not None and not self.decided)
+
+    @property
+    def replica_batch_size(self) -> int | None:
+        """Samples each data-parallel replica's training loader yields per step (global_batch_size / data_parallel)."""
+        return None if self.global_batch_size is None else self.dims.replica_batch(self.global_batch_size, BATCH_NAMES)
+
+    def set_world(self, world: int, devices_per_node: int, num_layers: int | None = None) -> str | None:
+        """The layout on `world` processes (`num_layers`: once the model is known), checked by its one set of rules.
+        Without an explicit pipeline_parallel every process is a pipeline rank (``default_pipeline_parallel``).
+        Returns the line announcing a default layout, once."""
+        if not world:
+            return None
+        spec, tp = self.spec, self.dims.tensor_parallel
+        if self.default_layout and world % tp == 0:
+            pp = default_pipeline_parallel(world, tp, spec.loops, num_layers)
+            m = self.requested_micro_batches if self.requested_micro_batches is not None else pp
+            spec = dataclasses.replace(spec, pipeline_parallel=pp, micro_batches=m)
+        changed = spec != self.spec
+        self.dims = dataclasses.replace(self.dims, world=world, devices_per_node=devices_per_node, spec=spec)
+        undecided = self.auto_layout is not None and not self.decided  # the planner picks a layout the batch fits
+        self.dims.validate(num_layers=num_layers, global_batch=None if undecided else self.global_batch_size,
+                           names=BATCH_NAMES)
+        if changed:
+            self.train_schedule = build_schedule(spec)
+            if self.stage_layers not in (None, "auto"):
+                self.stage_layers = check_layout(self.stage_layers, None, spec.num_stages)
+        if not self.default_layout or num_layers is None or self.announced:
+            return None
+        self.announced = True
+        return (f"bfpp: default layout on {world} processes: pipeline_parallel={spec.pipeline_parallel}, "
+                f"data_parallel={self.dims.data_parallel}, tensor_parallel={tp}, loops={spec.loops}, "
+                f"micro_batches={spec.micro_batches}, schedule={spec.name} (choose with "
+                "BFPPStrategy(pipeline_parallel=..., loops=..., micro_batches=...)).")
+
+    def decide(self, module: Any, layers: list[nn.Module], device: Any, world: int, devices_per_node: int,
+               precision: str) -> str:
+        """layout="auto" on every rank at once, the process group up: each rank measures the layers, the numbers are
+        min-reduced and rank 0's pick is broadcast (``auto.decide``), so every rank builds the same mesh. Returns the
+        line describing the pick."""
+        inputs, target = sample_inputs(module, self.auto_layout.sample)
+        explicit = isinstance(self.stage_layers, list)
+        spec, sharding, cut, line = decide(
+            module, layers, inputs, target, device, world=world, devices_per_node=devices_per_node,
+            global_batch=self.global_batch_size, pinned=self.pinned, settings=self.auto_layout,
+            stage_count=len(self.stage_layers) if explicit else None, precision=precision)
+        self.dims = dataclasses.replace(self.dims, spec=spec, sharding=sharding)
+        self.train_schedule = build_schedule(spec)
+        self.stage_layers = self.stage_layers if explicit else cut  # "auto"/None: cut by the measured times
+        self.decided = True
+        self.set_world(world, devices_per_node, len(layers))
+        return line
+
+    def checkpoint_meta(self, stage_layer_names: list[list[str]], stage_times_s: list[float]) -> dict[str, Any]:
+        """The layout a checkpoint was written with (its ``bfpp`` entry: informative; checkpoints load into any)."""
+        spec = self.spec
+        return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "loops": spec.loops,
+                "data_parallel": self.dims.data_parallel, "tensor_parallel": self.dims.tensor_parallel,
+                "stage_layers": stage_layer_names, "stage_times_s": stage_times_s}

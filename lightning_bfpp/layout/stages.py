@@ -1,0 +1,53 @@
+# Scope: this rank's stages, built in two small steps over the (pp, dp[, tp]) DeviceMesh, torchtitan-style:
+# `cut` splits the model into its local stages (and gives shared weights a copy per stage), `parallelize`
+# applies tensor parallel, activation checkpointing and FSDP2 to them. The strategy runs the Lightning steps
+# in between (materialize, precision cast, move to the device).
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..schedule.dims import ParallelDims
+from .fsdp import shard_stage, stage_mixed_precision
+from .mesh import DP, PP, TP
+from .partition import StageModule, named_parts, split_stages
+from .tensor_parallel import apply_plans
+from .tied import TiedWeights, find_shared_weights
+
+
+def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: ParallelDims,
+        layout: Sequence[int] | None, global_rank: int, timeout: timedelta | None,
+        ) -> tuple[dict[int, StageModule], list[list[str]], TiedWeights]:
+    """(this rank's stages by index, every stage's module names, the shared weights' copies). Layers of other
+    ranks are replaced in `module` (see ``partition.split_stages``)."""
+    parts = named_parts(module, layers)  # every layer's modules by their names in `module`, before the split
+    spec = dims.spec
+    modules, names = split_stages(module, layers, spec.num_stages, spec.local_stages(mesh[PP].get_local_rank()),
+                                  spec.stage_rank, layout)
+    # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded;
+    # global rank = (pipeline rank x dp + dp index) x tp + tp index: copies are summed per (dp, tp) index
+    shared = find_shared_weights(parts, names)
+    tied = TiedWeights(module, shared, modules, spec.stage_rank, dims.data_parallel * dims.tensor_parallel,
+                       global_rank, timeout)
+    return modules, names, tied
+
+
+def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: ParallelDims, plans: dict,
+                precision: str, activation_checkpointing: bool) -> bool:
+    """Tensor parallel by the model's `plans` (before FSDP), activation checkpointing, then FSDP2 over data
+    parallel when sharded. Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
+    if plans:
+        apply_plans(plans, modules.values(), mesh[TP])
+    for stage in modules.values():
+        stage.activation_checkpointing = activation_checkpointing
+    if not dims.sharded:
+        return False
+    last = dims.num_stages - 1
+    for s, stage in modules.items():
+        policy = stage_mixed_precision(precision, last_stage=s == last)
+        shard_stage(stage, mesh[DP], policy)
+        stage.side_input_dtype = policy.param_dtype if policy is not None else None
+    return precision == "bf16-mixed"

@@ -1,0 +1,78 @@
+# Scope: values and norms reduced over the mesh: the loss only the last stage's ranks hold, shared with every rank,
+# and gradient clipping by the whole model's norm (pipeline, data-parallel and tensor-parallel parts counted once).
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..layout.mesh import DP, PP, TP, local_tensor
+from ..layout.tensor_parallel import sum_over_tp, tp_sharded
+
+
+def clip_grad_norm_global(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    not_counted: Collection[int] = (),
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip by the norm over ALL parameters of the model: torch's `get_total_norm` of the local stages' (sharded)
+    grads, squared and summed over the pipeline group and, for sharded grads, the data-parallel group; then
+    torch's `clip_grads_with_norm_`. Parameters whose id is in `not_counted`
+    (extra copies of a shared weight) are scaled but left out of the norm. With `tp_group`, the parts of
+    tensor-parallel-split grads are summed over it; grads every tp rank holds whole count once. Returns the total norm."""
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+
+    def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:  # float64: squares of ranks' norms add up
+        return get_total_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64, device=device)
+
+    counted = [p for p in params if id(p) not in not_counted]
+    split = [p for p in counted if tp_group is not None and tp_sharded(p.grad)]  # parts summed over tp
+    whole = [p for p in counted if not (tp_group is not None and tp_sharded(p.grad))]
+    sq = squared_norm([local_tensor(p.grad) for p in whole]) + sum_over_tp(
+        squared_norm([local_tensor(p.grad) for p in split]), tp_group)
+    for group in (pp_group, dp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}  # DTensor grads are scaled by a DTensor norm
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for mesh, members in by_mesh.items():
+        clip_grads_with_norm_(members, max_norm, total if mesh is None else _replicated(total, mesh))
+    return total
+
+
+def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """`t` (the same value on every rank) as a DTensor replicated over `mesh`."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def share_from_ranks(value: torch.Tensor | None, divide_by: int, device: torch.device) -> torch.Tensor:
+    """All-reduce (sum) a scalar that only some ranks have (others contribute 0), divided by `divide_by`.
+
+    Used for the loss: only last-stage ranks hold it, one per data-parallel replica.
+    """
+    t = torch.zeros((), dtype=torch.float64, device=device) if value is None else value.detach().double().reshape(())
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return (t / divide_by).float()
+
+
+def clip_grad_norm_on_mesh(params: Iterable[nn.Parameter], max_norm: float, mesh: DeviceMesh, sharded: bool,
+                           not_counted: Collection[int] = ()) -> torch.Tensor:
+    """`clip_grad_norm_global` over the (pp, dp[, tp]) `mesh`: the pipeline group, the data-parallel group when the
+    gradients are `sharded`, the tensor-parallel group when the mesh has one."""
+    dp_group = mesh[DP].get_group() if sharded else None
+    tp_group = mesh[TP].get_group() if TP in (mesh.mesh_dim_names or ()) else None
+    return clip_grad_norm_global(params, max_norm, mesh[PP].get_group(), dp_group, not_counted, tp_group)

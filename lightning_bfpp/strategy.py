@@ -19,6 +19,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from ._private.lightning_api import SubprocessScriptLauncher, materialize_distributed_module, optimizers_to_device
 from ._private.lightning_api import process_group_timeout, set_module_device_mesh, unwrap_optimizer
+from ._private.torch_api import check_compile
 from .contract.hooks import check_callbacks, check_module, contract_notes, training_batch
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
@@ -70,6 +71,9 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             logged, and kept as ``stage_times_s``); default (None): balanced by parameter count.
         activation_checkpointing: recompute every layer of every local stage in backward (one extra forward
             per layer) instead of keeping its activations; only each layer's inputs stay saved.
+        compile: ``torch.compile`` each pipeline layer of the local stages (in place: names are kept), after tensor
+            parallel, before FSDP. Graphs made after training step 2 (recompiles) are warned about and counted in
+            ``step_stats`` (``compiled_graphs``, ``recompiled_graphs``). Refused where torch.compile cannot run.
         nonfinite_loss: a NaN/inf training loss (seen by every rank at once) "stop"s the run with an error
             before the optimizer step, or "skip"s that batch's gradients and goes on (counted as
             ``skipped_batches``); more than ``max_consecutive_skips`` skipped in a row stop the run.
@@ -94,24 +98,15 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel: int | None = None,
-        tensor_parallel: int = 1,
-        loops: int | None = None,
-        micro_batches: int | None = None,
-        schedule: str | None = None,
-        groups: int | None = None,
-        sharding: Literal["full", "none"] | None = None,
-        reshard_after_forward: bool | None = None,
-        stage_layers: Sequence[int] | Literal["auto"] | None = None,
-        activation_checkpointing: bool = False,
-        nonfinite_loss: Literal["stop", "skip"] = "stop",
-        max_consecutive_skips: int = 5,
-        process_group_backend: str | None = None,
-        timeout: timedelta | float | None = default_pg_timeout,
-        trust_checkpoints: bool = False,
-        measure_every_n_steps: int | None = None,
-        layout: Literal["auto"] | AutoLayout | None = None,
-        global_batch_size: int | None = None,
+        pipeline_parallel: int | None = None, tensor_parallel: int = 1, loops: int | None = None,
+        micro_batches: int | None = None, schedule: str | None = None, groups: int | None = None,
+        sharding: Literal["full", "none"] | None = None, reshard_after_forward: bool | None = None,
+        stage_layers: Sequence[int] | Literal["auto"] | None = None, activation_checkpointing: bool = False,
+        nonfinite_loss: Literal["stop", "skip"] = "stop", max_consecutive_skips: int = 5,
+        process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
+        trust_checkpoints: bool = False, measure_every_n_steps: int | None = None,
+        layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -122,7 +117,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                                reshard_after_forward, stage_layers, layout, global_batch_size)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (user.same_batch)
-        self.activation_checkpointing = bool(activation_checkpointing)
+        self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
         self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         self.runner: PipelineRunner | None = None
@@ -254,6 +249,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         stages = plan_stages(module, layers, self.spec.num_stages, None if self.plan.undecided else self.stage_layers)
         if self.tensor_parallel > 1:
             layer_plans(module, layers, self.tensor_parallel)  # the model's tensor-parallel plan, checked
+        if self.compile:
+            check_compile(self.root_device.type)
         return stages
 
     def _build_pipeline(self, module) -> PipelineRunner:
@@ -270,9 +267,9 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
-                                                 self.activation_checkpointing)
+                                                 self.activation_checkpointing, self.compile)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims.sharded)
+                                      module.pipeline_loss, self.dims.sharded, self.compile)
 
     def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
         """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see

@@ -7,7 +7,7 @@ save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoi
 nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, and pid_dir/exceptionR =
 "<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
-precision (Trainer's, default 32-true), ac (activation_checkpointing), late_rank + late_s (that local rank
+precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local rank
 sleeps before its process group exists), counter (StackNet with two stateful
 parameter-free layers, in the first and the last stage; records every buffer). Every run also records "dtypes": p2p
 receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
@@ -138,6 +138,7 @@ def _dtypes(strategy, grads: dict[str, str]) -> dict:
 def run(cfg: dict, devices: int, out: Path) -> None:
     if int(os.environ.get("LOCAL_RANK", 0)) == cfg.get("late_rank"):  # this process starts late (before any group)
         time.sleep(cfg["late_s"])
+    torch.compiler.reset()  # compile=True: each config compiles its layers anew (counted in its step_stats)
     torch.manual_seed(0)
     model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
     strategy = BFPPStrategy(
@@ -145,6 +146,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         schedule=cfg.get("schedule", "breadth_first"), groups=cfg.get("groups", 1),
         sharding=cfg.get("sharding", "full"), reshard_after_forward=cfg.get("reshard", False),
         nonfinite_loss=cfg.get("nonfinite", "stop"), activation_checkpointing=cfg.get("ac", False),
+        compile=cfg.get("compile", False),
         stage_layers=cfg.get("stage_layers"),
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)

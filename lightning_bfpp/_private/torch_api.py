@@ -3,6 +3,7 @@
 # Importing this module checks the installed torch against the tested range (versions.SUPPORTED).
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -51,3 +52,34 @@ def checkpoint_metadata_globals() -> dict[tuple[str, str], Any]:
         (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
         ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a lookup by layout name
     }
+
+
+def check_compile(device_type: str) -> None:
+    """Raise naming the setting when torch.compile cannot compile layers for `device_type` here: dynamo unsupported
+    on this Python / platform (``check_if_dynamo_supported``, private: torch's own reason), or no C++ compiler for
+    inductor's CPU kernels. Public alternative checked: ``torch.compiler`` has no such check (a compile fails at the
+    first step, inside the pipeline)."""
+    import shutil
+
+    from torch._dynamo.eval_frame import check_if_dynamo_supported
+
+    try:
+        check_if_dynamo_supported()
+    except Exception as error:  # RuntimeError naming the Python version / platform
+        raise RuntimeError(f"compile=True (Hydra: schedule.compile=true): torch.compile cannot run here ({error}); "
+                           "set compile=False.") from None
+    if device_type == "cpu":
+        compilers = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+        if not any(shutil.which(c) for c in compilers):
+            raise RuntimeError(f"compile=True (Hydra: schedule.compile=true) on CPU needs a C++ compiler for inductor's "
+                               f"kernels; none of {compilers} is on PATH. Install one (e.g. `apt-get install g++`, or "
+                               "set CXX) or set compile=False.")
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has compiled in this process so far, recompiles included (dynamo's ``unique_graphs``
+    counter). Why private: torch exposes no count; public alternative checked: ``TORCH_LOGS=recompiles`` (logs
+    each one, countable only by parsing log lines)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

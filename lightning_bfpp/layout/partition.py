@@ -170,6 +170,11 @@ class StageModule(nn.Module):
     # masks: in the default dtype) are cast alike, as a model's own forward makes them in its hidden states' dtype.
     side_input_dtype: torch.dtype | None = None
 
+    def compile_layers(self) -> None:
+        """torch.compile each layer in place (``nn.Module.compile``: names and state-dict keys stay the model's)."""
+        for call in self._calls:
+            call.layer.compile()
+
     def forward(self, *args, **kwargs):
         side = None
         if self._side_inputs is not None and kwargs:

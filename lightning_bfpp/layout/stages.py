@@ -36,13 +36,16 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
 
 
 def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: ParallelDims, plans: dict,
-                precision: str, activation_checkpointing: bool) -> bool:
-    """Tensor parallel by the model's `plans` (before FSDP), activation checkpointing, then FSDP2 over data
-    parallel when sharded. Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
+                precision: str, activation_checkpointing: bool, compile_layers: bool = False) -> bool:
+    """Tensor parallel by the model's `plans` (before FSDP), activation checkpointing, torch.compile per layer
+    (`compile_layers`, after tensor parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when
+    sharded. Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
     if plans:
         apply_plans(plans, modules.values(), mesh[TP])
     for stage in modules.values():
         stage.activation_checkpointing = activation_checkpointing
+        if compile_layers:
+            stage.compile_layers()
     if not dims.sharded:
         return False
     last = dims.num_stages - 1

@@ -2,7 +2,8 @@
 # saved-activation bytes (allocator-independent memory), plus parameter/grad/optimizer bytes.
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .._private.pipelining import time_stage_compute
-from .._private.torch_api import dtensor_local
+from .._private.torch_api import compiled_graph_count, dtensor_local
 
 
 class Timeline:
@@ -142,3 +143,30 @@ def gather_stats(local: dict[str, float], per_rank: dict[str, tuple[str, ...]], 
         stats[table] = {rank: {k: (int if k.endswith("_bytes") else float)(row[c]) for k, c in zip(keys, columns)}
                         for rank, row in enumerate(rows)}
     return stats
+
+
+class CompileCounter:
+    """The graphs torch.compile makes during this process's training steps: ``graphs`` in all and ``late`` ones, made
+    after the first `warmup` steps (recompiles: a shape, dtype or grad mode the guards did not expect), each late one
+    warned about once per step."""
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup, self.steps, self.graphs, self.late = warmup, 0, 0, 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        before = compiled_graph_count()
+        try:
+            yield
+        finally:
+            new = compiled_graph_count() - before
+            self.steps += 1
+            self.graphs += new
+            if self.steps > self.warmup and new:
+                self.late += new
+                warnings.warn(f"bfpp: compiled layers were compiled again in training step {self.steps} ({new} "
+                              f"graph(s); {self.late} after step {self.warmup} so far): a shape or dtype changed "
+                              "between steps; TORCH_LOGS=recompiles says why.", stacklevel=1)
+
+    def stats(self) -> dict[str, float]:
+        return {"compiled_graphs": float(self.graphs), "recompiled_graphs": float(self.late)}

@@ -38,5 +38,6 @@ def step_stats(runner: Any, params: Iterable[torch.Tensor], grads: Iterable[torc
         "grad_bytes": local_bytes(grads),
         "optimizer_bytes": optimizer_bytes(optimizers),
         "activation_peak_bytes": runner.meter.peak,
+        **(runner.compiled.stats() if runner.compiled is not None else {}),
     }
     return gather_stats(local, {"memory": MEMORY_KEYS, "timeline": TIMELINE_KEYS}, device)

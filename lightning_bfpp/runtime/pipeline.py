@@ -21,7 +21,7 @@ from ..layout.partition import input_kwargs
 from ..schedule import Schedule, build_schedule
 from ..schedule.dims import Names, micro_batch_size
 from .grad_sync import BucketedAllReduce
-from .instrument import SavedActivationMeter, Timeline
+from .instrument import CompileCounter, SavedActivationMeter, Timeline
 
 _BATCH_NAMES = Names(replica_batch="batch")  # how a step's batch is named when it does not split into micro-batches
 
@@ -58,6 +58,7 @@ class PipelineRunner:
         pp_group: dist.ProcessGroup | None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         replicate_group: dist.ProcessGroup | None = None,
+        compiled: bool = False,
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -73,15 +74,16 @@ class PipelineRunner:
         self.timeline = Timeline()
         self.meter = SavedActivationMeter(modules.values())
         self.last_stats: dict[str, float] = {}
+        self.compiled = CompileCounter() if compiled else None  # layers compiled: graphs made per training step
 
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
-                loss_fn: Callable[[Any, Any], torch.Tensor], sharded: bool) -> PipelineRunner:
+                loss_fn: Callable[[Any, Any], torch.Tensor], sharded: bool, compiled: bool = False) -> PipelineRunner:
         """A runner over the (pp, dp[, tp]) `mesh`: p2p over its pipeline group; gradients all-reduced over its
         data-parallel group unless the stages are `sharded` (FSDP2 reduce-scatters them)."""
         dp_mesh = mesh[DP]
         replicate_group = dp_mesh.get_group() if not sharded and dp_mesh.size() > 1 else None
-        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group)
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled)
 
     @property
     def has_last_stage(self) -> bool:
@@ -149,7 +151,8 @@ class PipelineRunner:
         """
         self.timeline.enabled = measure
         self.meter.peak = self.meter.current
-        out, losses = self._run("train", inputs, target, keep_outputs)
+        with self.compiled.step() if self.compiled is not None else nullcontext():
+            out, losses = self._run("train", inputs, target, keep_outputs)
         if self.grad_sync is not None:
             self.grad_sync.wait()
         loss = torch.stack([l.detach() for l in losses]).mean() if losses else None

@@ -81,31 +81,41 @@ def layer_table(cfg: GPTConfig, batch: int, device: torch.device, reps: int) -> 
     return rows
 
 
-def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device: torch.device) -> dict:
-    """Lightning + BFPPStrategy(pipeline_parallel=1) on one device: median step period after 3 steps."""
+def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device: torch.device,
+                  loops: int = 1, compile: bool = False, strategy: str = "bfpp") -> dict:
+    """One device, Lightning: BFPPStrategy(pipeline_parallel=1, loops, micro_batches) or, strategy="fsdp2",
+    Lightning's ModelParallelStrategy with each layer fully_shard-ed (worker.ShardedGPT); `compile`: bfpp's
+    compile=True, or each layer compiled before FSDP. Median step period after 3 steps (the compile is in the first)."""
     from lightning.pytorch import Trainer
-    from worker import Probe
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from worker import Probe, ShardedGPT
 
     from lightning_bfpp import BFPPStrategy
 
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = (ShardedGPT if strategy == "fsdp2" else GPT)(cfg)
     n_params = sum(p.numel() for p in model.parameters())
+    if compile and strategy == "fsdp2":
+        for layer in model.pipeline_layers():
+            layer.compile()
     data = torch.randint(0, cfg.vocab_size, (batch * steps, cfg.block_size + 1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
     probe = Probe(count_activations=False)
     trainer = Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps, logger=False,
-        strategy=BFPPStrategy(pipeline_parallel=1, micro_batches=micro_batches),
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1) if strategy == "fsdp2" else
+        BFPPStrategy(pipeline_parallel=1, loops=loops, micro_batches=micro_batches, compile=compile),
         precision="bf16-mixed" if device.type == "cuda" else "32-true", enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
     trainer.fit(model, loader)
-    period = statistics.median(probe.result()["period_s"][3:] or probe.result()["period_s"])
+    periods = probe.result()["period_s"]
+    period = statistics.median(periods[3:] or periods)
     tokens = batch * cfg.block_size / period
+    bubbles = [s["bubble_fraction"] for s in probe.stats if "bubble_fraction" in s]
     return {"params": n_params, "step_s": period, "tokens_per_s": tokens,
             "model_flops_per_s": tokens * flops_per_token(cfg, n_params),
-            "bubble_fraction": statistics.median(s["bubble_fraction"] for s in probe.stats)}
+            "bubble_fraction": statistics.median(bubbles) if bubbles else None}
 
 
 def main() -> None:

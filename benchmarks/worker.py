@@ -12,6 +12,9 @@ Job kinds (each a dict with "kind", "model" (conf/model name), "batch" (global),
   mp      Trainer(strategy=ModelParallelStrategy()) + fully_shard per layer: Lightning's FSDP2 route
           (Lightning 2.6 refuses strategy="fsdp", FSDP1, without a GPU)
   single  Trainer(devices=1): the plain model, no parallelism
+Optional job keys: "compile" (bfpp: BFPPStrategy(compile=True); the others: each pipeline layer compiled).
+A "model" may be a dict of GPTConfig fields instead of a conf/model name. BFPP_BENCH_PIN=1 pins each rank to its
+own core (LOCAL_RANK modulo the cores), as `taskset` would.
 Rank R of job i writes OUT_DIR/job{i}/rank{R}.json with per-step "step_s" (on_train_batch_start ->
 on_train_batch_end: training_step, backward, optimizer step) and "period_s" (batch start -> next batch
 start: also data loading and the loop's bookkeeping), bfpp's per-step stats, and memory counts.
@@ -133,7 +136,8 @@ def strategy_for(job: dict):
     if kind == "bfpp":
         return BFPPStrategy(pipeline_parallel=job["pp"], loops=job.get("loops", 1), micro_batches=job["m"],
                             schedule=job.get("schedule", "breadth_first"), sharding=job.get("sharding", "full"),
-                            measure_every_n_steps=job.get("measure"), stage_layers=job.get("stage_layers"))
+                            measure_every_n_steps=job.get("measure"), stage_layers=job.get("stage_layers"),
+                            compile=job.get("compile", False))
     if kind == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -152,10 +156,17 @@ class ShardedGPT(GPT):
             fully_shard(layer, mesh=mesh)
 
 
+def gpt_config(model: str | dict) -> GPTConfig:
+    return GPTConfig(**(model_config(model) if isinstance(model, str) else model))
+
+
 def run_lightning(job: dict, devices: int) -> dict:
     torch.manual_seed(0)
-    cfg = GPTConfig(**model_config(job["model"]))
+    cfg = gpt_config(job["model"])
     model = (ShardedGPT if job["kind"] == "mp" else GPT)(cfg, OptimConfig())
+    if job.get("compile") and job["kind"] != "bfpp":  # as a Lightning user compiles: each block, before FSDP
+        for layer in model.pipeline_layers():
+            layer.compile()
     pp = job.get("pp", 1) if job["kind"] == "bfpp" else 1
     per_replica = job["batch"] // (devices // pp)
     probe = Probe(count_activations=job["kind"] != "bfpp")
@@ -230,8 +241,19 @@ def ensure_launched(devices: int) -> None:
                        "m": devices, "schedule": "gpipe"}, devices)
 
 
+def pin_to_own_core() -> None:
+    """BFPP_BENCH_PIN=1: this process (local rank r) runs on core r alone (modulo the cores it may use)."""
+    if os.environ.get("BFPP_BENCH_PIN") != "1" or not hasattr(os, "sched_setaffinity"):
+        return
+    # the cores the launch may use, read by rank 0 before it pins itself (the ranks it starts inherit its affinity)
+    os.environ.setdefault("BFPP_BENCH_CORES", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+    cores = [int(c) for c in os.environ["BFPP_BENCH_CORES"].split(",")]
+    os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", 0)) % len(cores)]})
+
+
 def main() -> None:
     out, devices = Path(sys.argv[1]), int(sys.argv[2])
+    pin_to_own_core()
     jobs = json.loads((out / "jobs.json").read_text())
     torch.set_num_threads(1)
     ensure_launched(devices)

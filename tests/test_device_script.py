@@ -36,3 +36,42 @@ def test_device_script_dry_run_writes_every_part(tmp_path):
         assert name.startswith("fsdp2") or (run["step_s_over_fsdp2"] > 0 and run["simulated_step_s"] > 0), name
     assert [r["layer"] for r in gpu["layers"]] == ["embedding", "blocks.0", "blocks.1", "head"]
     assert "gpu:" in proc.stdout and "P2 breadth_first" in proc.stdout  # the short table
+
+
+def test_timeline_on_cuda_times_with_events_not_launches(monkeypatch):
+    """On a CUDA device the compute timeline records CUDA events (a kernel runs after its launch returns) and turns
+    them into seconds once, at the step's end. Checked here with events whose times we set."""
+    import torch
+
+    from lightning_bfpp.runtime.instrument import Timeline
+
+    class Event:  # torch.cuda.Event's interface: record, synchronize, elapsed_time (milliseconds)
+        now = 0.0
+
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.t, self.synced = None, False
+
+        def record(self) -> None:
+            self.t = Event.now
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+        def elapsed_time(self, other) -> float:
+            return (other.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timeline = Timeline(torch.device("cuda"))
+    start = timeline.clock()
+    for kind, t0, t1 in (("F", 1.0, 3.0), ("B", 5.0, 9.0)):  # the GPU ran 2 s of forward and 4 s of backward
+        Event.now = t0
+        a = timeline.clock()
+        Event.now = t1
+        timeline.events.append((kind, 0, 0, a, timeline.clock()))
+    Event.now = 10.0
+    end = timeline.clock()
+    stats = timeline.stats(start, end)
+    assert end.synced and stats["compute_s"] == 6.0 and stats["step_s"] == 10.0
+    assert abs(stats["bubble_fraction"] - 4 / 6) < 1e-12
+    assert all(isinstance(e[3], float) and e[4] - e[3] in (2.0, 4.0) for e in timeline.events)  # seconds, as on CPU

@@ -91,10 +91,10 @@ def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
     stage._forward_metadata_inference = isolated
 
 
-def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, float, float], None],
-                       enabled: Callable[[], bool]) -> None:
-    """Call ``record(kind, micro_batch, start, end)`` ("F"/"B") around each forward/backward the runtime runs on
-    `stage` while ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
+def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, Any], None],
+                       enabled: Callable[[], bool], clock: Callable[[], Any] = time.perf_counter) -> None:
+    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"; the clock before and after) around each
+    forward/backward the runtime runs on `stage` while ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
     (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
     backward, which the runtime runs through autograd outside any module call) and profiler spans (need the profiler on)."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
@@ -103,11 +103,11 @@ def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, float, 
         def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):
             if not enabled():
                 return _inner(mb, *args, **kwargs)
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return _inner(mb, *args, **kwargs)
             finally:
-                record(_kind, mb, t0, time.perf_counter())
+                record(_kind, mb, t0, clock())
 
         setattr(stage, name, timed)
 

@@ -2,9 +2,11 @@
 # saved-activation bytes (allocator-independent memory), plus parameter/grad/optimizer bytes.
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,19 +18,39 @@ from .._private.torch_api import compiled_graph_count, dtensor_local
 
 
 class Timeline:
-    """Wraps PipelineStage compute calls and records (kind, stage, micro_batch, start, end) while `enabled`."""
+    """Wraps PipelineStage compute calls and records (kind, stage, micro_batch, start, end) while `enabled`, in
+    seconds of ``time.perf_counter``. On a CUDA `device` the marks are CUDA events on the current stream (a kernel
+    runs after its launch returns: host clocks would time the launches), turned into seconds at ``stats``, after
+    waiting for the step's last event only."""
 
-    def __init__(self) -> None:
-        self.events: list[tuple[str, int, int, float, float]] = []
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.events: list[tuple[str, int, int, Any, Any]] = []
         self.enabled = True
+        self.cuda = device is not None and device.type == "cuda"
+
+    def clock(self) -> Any:
+        """Now: perf_counter seconds, or (CUDA) an event recorded on the current stream."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def attach(self, stage) -> None:
-        def record(kind: str, micro_batch: int, start: float, end: float) -> None:
+        def record(kind: str, micro_batch: int, start: Any, end: Any) -> None:
             self.events.append((kind, stage.stage_index, micro_batch, start, end))
 
-        time_stage_compute(stage, record, lambda: self.enabled)
+        time_stage_compute(stage, record, lambda: self.enabled, self.clock)
 
-    def stats(self, step_start: float, step_end: float) -> dict[str, float]:
+    def stats(self, step_start: Any, step_end: Any) -> dict[str, float]:
+        """Busy time, span and bubble of the step between the marks `step_start` and `step_end` (from ``clock``);
+        CUDA events become perf_counter seconds here (``events`` then hold seconds, as on CPU)."""
+        if self.cuda:
+            step_end.synchronize()
+            host = time.perf_counter() - step_start.elapsed_time(step_end) / 1e3  # step_start on the host clock
+            seconds = lambda e: host + step_start.elapsed_time(e) / 1e3  # noqa: E731
+            self.events = [(k, s, mb, seconds(a), seconds(b)) for k, s, mb, a, b in self.events]
+            step_start, step_end = host, seconds(step_end)
         busy = sum(e[4] - e[3] for e in self.events)
         span = step_end - step_start
         return {"compute_s": busy, "step_s": span, "bubble_fraction": (span - busy) / busy if busy else 0.0}

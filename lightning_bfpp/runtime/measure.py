@@ -40,4 +40,10 @@ def step_stats(runner: Any, params: Iterable[torch.Tensor], grads: Iterable[torc
         "activation_peak_bytes": runner.meter.peak,
         **(runner.compiled.stats() if runner.compiled is not None else {}),
     }
-    return gather_stats(local, {"memory": MEMORY_KEYS, "timeline": TIMELINE_KEYS}, device)
+    memory_keys = MEMORY_KEYS
+    if device.type == "cuda":  # what the CUDA caching allocator held at most since the last measured step
+        local["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        local["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        memory_keys += ("cuda_max_allocated_bytes", "cuda_max_reserved_bytes")
+    return gather_stats(local, {"memory": memory_keys, "timeline": TIMELINE_KEYS}, device)

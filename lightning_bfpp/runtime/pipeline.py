@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -71,7 +70,7 @@ class PipelineRunner:
         self.schedules: dict[str, Schedule] = {"train": schedule}
         self.schedules["forward"] = build_schedule(dataclasses.replace(spec, forward_only=True))
         self._runtimes: dict[tuple, tuple[Any, list]] = {}
-        self.timeline = Timeline()
+        self.timeline = Timeline(device)
         self.meter = SavedActivationMeter(modules.values())
         self.last_stats: dict[str, float] = {}
         self.compiled = CompileCounter() if compiled else None  # layers compiled: graphs made per training step
@@ -123,7 +122,7 @@ class PipelineRunner:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []
         self.timeline.events.clear()
-        start = time.perf_counter()
+        start = self.timeline.clock() if self.timeline.enabled else None  # (a CUDA event: no sync unmeasured)
         # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
         side = input_kwargs(inputs) if any(getattr(m, "_side_inputs", None) for m in self.modules.values()) else {}
         try:
@@ -137,7 +136,7 @@ class PipelineRunner:
             if type(error).__name__ == "PipeliningMetadataError":  # torch's check of what crosses stages
                 error.add_note(f"bfpp: the first stage's arguments are pipeline_inputs(batch)[0]; {BOUNDARY_RULE}.")
             raise
-        self.last_stats = self.timeline.stats(start, time.perf_counter())
+        self.last_stats = self.timeline.stats(start, self.timeline.clock()) if start is not None else {}
         return out, losses
 
     def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False,

@@ -21,10 +21,6 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 class LayoutPlan:
     """pipeline_parallel, loops, micro_batches, schedule, sharding and the stage cut of a BFPPStrategy (its
     arguments of the same names; see ``BFPPStrategy``)."""
@@ -39,7 +35,8 @@ class LayoutPlan:
         if self.auto_layout is not None and not isinstance(self.auto_layout, AutoLayout):
             raise ValueError(f"layout={layout!r} must be 'auto', an AutoLayout(...) or None (the knobs as given).")
         self.pinned = {k: given[k] for k in KNOBS if given[k] is not None} if self.auto_layout else {}
-        if (self.auto_layout or global_batch_size is not None) and not _positive_int(global_batch_size):
+        if (self.auto_layout or global_batch_size is not None) and not (
+                isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1):
             raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer, the samples per "
                              "optimizer step over all replicas (layout='auto' needs global_batch_size: every candidate "
                              "layout trains that same batch, each replica loading global_batch_size / data_parallel, "

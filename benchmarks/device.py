@@ -65,13 +65,12 @@ def cpu_part(dry: bool, partial: Path, work: Path) -> None:
         _save(partial, results)
 
 
-def predicted_step_s(rows: list[dict], cfg: dict, micro_batch: int, batch: int, loops: int, device_type: str) -> float:
-    """The simulator's step time of bfpp pp=1 (`loops`, batch / micro_batch micro-batches) on a cluster whose layer
-    times are the measured `rows` (one micro-batch of `micro_batch` samples)."""
+def measured_cluster(rows: list[dict], cfg: dict, micro_batch: int, device_type: str):
+    """One device of `conf/cluster/gpu_8.yaml` (cpu_2.yaml on CPU) whose layer times are the measured `rows` (one
+    micro-batch of `micro_batch` samples)."""
     import yaml
 
-    from lightning_bfpp.schedule import ScheduleSpec, build_schedule
-    from lightning_bfpp.sim import Cluster, Model, build_costs, evaluate
+    from lightning_bfpp.sim import Cluster
 
     cluster = yaml.safe_load((ROOT / "conf" / "cluster" / ("gpu_8.yaml" if device_type == "cuda" else "cpu_2.yaml")).read_text())
     blocks = [r for r in rows if r["layer"].startswith("blocks.")]
@@ -79,9 +78,16 @@ def predicted_step_s(rows: list[dict], cfg: dict, micro_batch: int, batch: int, 
     cluster["layer_times"] = {"model": {k: cfg[k] for k in ("n_head", "n_embd", "block_size", "vocab_size")},
                               "micro_batch_size": micro_batch, "embedding": pair(rows[0]), "head": pair(rows[-1]),
                               "block": [statistics.median(pair(r)[i] for r in blocks) for i in (0, 1)]}
-    cluster.update(devices=1, num_nodes=1)
+    return Cluster.from_dict({**cluster, "devices": 1, "num_nodes": 1})
+
+
+def predicted_step_s(cluster, cfg: dict, micro_batch: int, batch: int, loops: int, device_type: str) -> float:
+    """The simulator's step time of bfpp pp=1 (`loops`, batch / micro_batch micro-batches) on `cluster`."""
+    from lightning_bfpp.schedule import ScheduleSpec, build_schedule
+    from lightning_bfpp.sim import Model, build_costs, evaluate
+
     m = batch // micro_batch
-    costs = build_costs(Model.from_dict(cfg), Cluster.from_dict(cluster), pipeline_parallel=1, loops=loops,
+    costs = build_costs(Model.from_dict(cfg), cluster, pipeline_parallel=1, loops=loops,
                         data_parallel=1, micro_batch_size=micro_batch, micro_batches=m,
                         activation_bytes=2 if device_type == "cuda" else 4)
     spec = ScheduleSpec("breadth_first", pipeline_parallel=1, loops=loops, micro_batches=m)
@@ -106,6 +112,7 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
                      "variants": {}}
     results["layers"] = layer_table(cfg, batch // 4, device, reps=3 if dry else 10)
     _save(partial, results)
+    cluster = measured_cluster(results["layers"], cfg_dict, batch // 4, device.type)
     variants = [("fsdp2", 1, 1)] + [("bfpp", loops, m) for loops in (1, 4) for m in (1, 4, 8)]
     modes = [(False, v) for v in variants] + [(True, v) for v in (variants if not dry else variants[:2])]
     for compiled, (strategy, loops, m) in modes:
@@ -116,8 +123,7 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
         base = results["variants"].get("fsdp2" + (" compiled" if compiled else ""))
         run["step_s_over_fsdp2"] = run["step_s"] / base["step_s"] if base else None
         if strategy == "bfpp":
-            run["simulated_step_s"] = predicted_step_s(results["layers"], cfg_dict, batch // m, batch, loops,
-                                                       device.type)
+            run["simulated_step_s"] = predicted_step_s(cluster, cfg_dict, batch // m, batch, loops, device.type)
             run["simulated_over_measured"] = run["simulated_step_s"] / run["step_s"]
         results["variants"][name] = run
         _save(partial, results)
@@ -148,7 +154,8 @@ def run_part(name: str, dry: bool, budget: float, work: Path) -> dict:
 def table(report: dict) -> str:
     lines = [f"device.sh{' --dry-run' if report['dry_run'] else ''}: {report['elapsed_s']} s"]
     cpu = report["parts"].get("cpu", {})
-    lines.append(f"cpu: {cpu.get('status')}")
+    if cpu:
+        lines.append(f"cpu: {cpu['status']}")
     for label, row in (cpu.get("p2") or {}).get("schedules", {}).items():
         lines.append(f"  P2 {label:<14} bubble {row['measured']['median']:.3f} (formula {row['theory']:.3f})")
     for key in ("p4_pp2", "p4_pp4"):
@@ -157,7 +164,8 @@ def table(report: dict) -> str:
     for cls, row in (cpu.get("torch_schedules") or {}).get("schedules", {}).items():
         lines.append(f"  bfpp / {cls}: {row['ratio']['median']:.3f}")
     gpu = report["parts"].get("gpu", {})
-    lines.append(f"gpu: {gpu.get('status')} {gpu.get('skipped', gpu.get('device', ''))}")
+    if gpu:
+        lines.append(f"gpu: {gpu['status']} {gpu.get('skipped', gpu.get('device', ''))}")
     for name, run in (gpu.get("variants") or {}).items():
         ratio, mfu, sim = run.get("step_s_over_fsdp2"), run.get("mfu"), run.get("simulated_over_measured")
         lines.append(f"  {name:<24} step {run['step_s'] * 1e3:9.2f} ms"

@@ -88,7 +88,7 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     compile=True, or each layer compiled before FSDP. Median step period after 3 steps (the compile is in the first)."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from worker import Probe, ShardedGPT
+    from worker import Probe, ShardedGPT, compile_each_layer
 
     from lightning_bfpp import BFPPStrategy
 
@@ -96,8 +96,7 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     model = (ShardedGPT if strategy == "fsdp2" else GPT)(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     if compile and strategy == "fsdp2":
-        for layer in model.pipeline_layers():
-            layer.compile()
+        compile_each_layer(model)
     data = torch.randint(0, cfg.vocab_size, (batch * steps, cfg.block_size + 1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
     probe = Probe(count_activations=False)

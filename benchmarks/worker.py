@@ -160,13 +160,18 @@ def gpt_config(model: str | dict) -> GPTConfig:
     return GPTConfig(**(model_config(model) if isinstance(model, str) else model))
 
 
+def compile_each_layer(model: GPT) -> None:
+    """As a Lightning user compiles outside bfpp (and torchtitan does): each pipeline layer, before FSDP wraps it."""
+    for layer in model.pipeline_layers():
+        layer.compile()
+
+
 def run_lightning(job: dict, devices: int) -> dict:
     torch.manual_seed(0)
     cfg = gpt_config(job["model"])
     model = (ShardedGPT if job["kind"] == "mp" else GPT)(cfg, OptimConfig())
-    if job.get("compile") and job["kind"] != "bfpp":  # as a Lightning user compiles: each block, before FSDP
-        for layer in model.pipeline_layers():
-            layer.compile()
+    if job.get("compile") and job["kind"] != "bfpp":  # bfpp compiles its own (BFPPStrategy(compile=True))
+        compile_each_layer(model)
     pp = job.get("pp", 1) if job["kind"] == "bfpp" else 1
     per_replica = job["batch"] // (devices // pp)
     probe = Probe(count_activations=job["kind"] != "bfpp")
@@ -201,7 +206,7 @@ def run_raw(job: dict, devices: int) -> dict:
 
     assert devices == job["pp"], "the raw loop is pipeline-only (data_parallel = 1)"
     torch.manual_seed(0)
-    cfg, optim = GPTConfig(**model_config(job["model"])), OptimConfig()
+    cfg, optim = gpt_config(job["model"]), OptimConfig()
     model = GPT(cfg, optim)
     spec = ScheduleSpec(job.get("schedule", "breadth_first"), pipeline_parallel=job["pp"], loops=job.get("loops", 1),
                         micro_batches=job["m"])

@@ -120,21 +120,35 @@ class GPT(PipelineHooks, L.LightningModule):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
         # eval metrics (torchmetrics, synced over data parallel at epoch end): next-byte accuracy, bits per byte
-        metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro"), "bpb": MeanMetric()})
+        # (on the CPU even inside trainer.init_module(empty_init=True): metric states are values, not weights)
+        with torch.device("cpu"):
+            metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro"), "bpb": MeanMetric()})
         self.val_metrics, self.test_metrics = metrics.clone(prefix="val_"), metrics.clone(prefix="test_")
         if cfg.tie_weights:
             self.head.lm_head.weight = self.embedding.tok.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
             if name.endswith(("proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                nn.init.normal_(p, mean=0.0, std=self._residual_std)
+
+    @property
+    def _residual_std(self) -> float:
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer)
 
     @staticmethod
-    def _init_weights(m: nn.Module) -> None:
+    def _init_weights(m: nn.Module, std: float = 0.02) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.normal_(m.weight, mean=0.0, std=std)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+
+    def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
+        """The same rule for a model built on the meta device (``trainer.init_module(empty_init=True)``), applied by
+        bfpp to each rank's own modules, each under its own seed (so not the eager model's values)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            self._init_weights(module, self._residual_std if name.endswith(("proj", "mlp.2")) else 0.02)
+        else:
+            super().pipeline_init_weights(name, module)
 
     # ---- PipelineHooks: the contract bfpp cuts along ----
     def pipeline_layers(self) -> list[nn.Module]:

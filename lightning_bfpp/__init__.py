@@ -21,6 +21,7 @@ _LAZY = {
     "ScheduleError": "lightning_bfpp.schedule",
     "ScheduleSpec": "lightning_bfpp.schedule",
     "build_schedule": "lightning_bfpp.schedule",
+    "seeded_init": "lightning_bfpp.layout.materialize",
 }
 __all__ = list(_LAZY)
 

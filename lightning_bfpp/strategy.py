@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from . import checkpoint as ckpt
-from ._private.lightning_api import SubprocessScriptLauncher, materialize_distributed_module, optimizers_to_device
+from ._private.lightning_api import SubprocessScriptLauncher, optimizers_to_device
 from ._private.lightning_api import process_group_timeout, set_module_device_mesh, unwrap_optimizer
 from ._private.torch_api import check_compile
 from .contract.hooks import check_callbacks, check_module, contract_notes, training_batch
@@ -26,6 +26,7 @@ from .job.launcher import CheckingLauncher
 from .job.resume import skip_consumed_batches
 from .layout.auto import AutoLayout
 from .layout.layer_cost import auto_stage_layers
+from .layout.materialize import has_meta_tensors, init_hook, materialize
 from .layout.mesh import DP, PP, build_mesh, forget_groups
 from .layout.partition import plan_stages
 from .layout.plan import LayoutPlan
@@ -93,6 +94,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
     parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
     """
+
+    materializes_meta_stages = True  # a model built on the meta device gets memory per stage in setup (CausalLM reads it)
 
     strategy_name = "bfpp"
 
@@ -257,13 +260,22 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layers = list(module.pipeline_layers())
         plans = layer_plans(module, layers, self.tensor_parallel) if self.tensor_parallel > 1 else {}
         layout = self.stage_layers
+        on_meta = has_meta_tensors(module)  # the same on every rank: every process built the same model
         if layout == "auto":
+            if on_meta:
+                raise ValueError(
+                    "stage_layers='auto' (schedule.layout=auto) times every layer by running it, and this model was built "
+                    "on the meta device: give the layout (layers per stage), or let bfpp balance by parameter count (None)."
+                )
             layout, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
                                                                  self.spec.micro_batches, self.root_device)
             rank_zero_info(line)
+        seed = self.broadcast(torch.initial_seed()) if on_meta else 0  # rank 0's: one initialization for all ranks
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, layout,
                                                          self.global_rank, process_group_timeout(self))
-        materialize_distributed_module(module, self.root_device)  # only local layers remain
+        if on_meta:  # only this rank's stages remain in `module`: they get memory and their weights here
+            materialize(module, self.root_device, seed, init_hook(module))
+            self.tied.copy_first_stage()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_bfpp import PipelineHooks
+from lightning_bfpp.layout.materialize import seeded_init
 
 DIM, CLASSES, SAMPLES = 16, 5, 256
 
@@ -114,11 +115,15 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
 def reference(
     steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0,
     skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False, counter: bool = False,
+    meta: bool = False,
 ):
     """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
-    Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1)."""
+    Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1).
+    `meta`: initialized as bfpp initializes a model built on the meta device (seeded per module)."""
     torch.manual_seed(seed)
     model = StackNet(opt=opt, tied=tied, counter=counter)
+    if meta:
+        seeded_init(model, seed)
     opt = model.configure_optimizers()
     data = lightning_batches(global_batch, data_parallel)
     losses = []

@@ -8,7 +8,7 @@ nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step
 "<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
 precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local rank
-sleeps before its process group exists), counter (StackNet with two stateful
+sleeps before its process group exists), meta (built on the meta device: trainer.init_module(empty_init=True)), counter (StackNet with two stateful
 parameter-free layers, in the first and the last stage; records every buffer). Every run also records "dtypes": p2p
 receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -139,8 +139,6 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     if int(os.environ.get("LOCAL_RANK", 0)) == cfg.get("late_rank"):  # this process starts late (before any group)
         time.sleep(cfg["late_s"])
     torch.compiler.reset()  # compile=True: each config compiles its layers anew (counted in its step_stats)
-    torch.manual_seed(0)
-    model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
     strategy = BFPPStrategy(
         pipeline_parallel=cfg.get("pp", 1), loops=cfg.get("loops", 1), micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), groups=cfg.get("groups", 1),
@@ -163,6 +161,9 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2, callbacks=callbacks,
     )
+    torch.manual_seed(0)
+    with trainer.init_module(empty_init=cfg.get("meta", False)):  # meta: on the meta device, each rank builds its stages
+        model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
     dp = devices // cfg.get("pp", 1)
     per_replica = cfg.get("batch", 16) // dp
     evaluated = {}

@@ -2,9 +2,10 @@
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama|gemma3: Gemma 3 mixes sliding-window and full attention layers, each with its
+Config keys: family (gpt2|llama|qwen2|gemma3: Gemma 3 mixes sliding-window and full attention layers, each with its
 own rotary cos/sin, scales its embedding and soft-caps its logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), pp, loops, m,
-steps, batch (global), precision, ac (activation_checkpointing), save (checkpoint folder written after fit).
+steps, batch (global), precision, ac (activation_checkpointing), save (checkpoint folder written after fit),
+pretrained (a save_pretrained directory: CausalLM.from_pretrained, built on the meta device).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...]}.
 """
 
@@ -42,6 +43,11 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                                             final_logit_softcapping=5.0, tie_word_embeddings=True if tie is None else tie,
                                             attn_implementation=attn)
         return transformers.Gemma3ForCausalLM(cfg)
+    if family == "qwen2":  # ties its embeddings
+        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
+                                       num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                       tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
+        return transformers.Qwen2ForCausalLM(cfg)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ,
                                    tie_word_embeddings=False if tie is None else tie, attn_implementation=attn)
@@ -71,7 +77,10 @@ class Losses(Callback):
 
 
 def run(cfg: dict, devices: int, out: Path) -> None:
-    model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa")), optimizer=sgd)
+    if cfg.get("pretrained"):  # a saved model, built on the meta device; each rank reads its own stages' tensors
+        model = CausalLM.from_pretrained(cfg["pretrained"], optimizer=sgd, attn_implementation=cfg.get("attn", "sdpa"))
+    else:
+        model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa")), optimizer=sgd)
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2), micro_batches=cfg.get("m", 2),
                             activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120))
     record = Losses()

@@ -38,6 +38,8 @@ WORLD4 = [
     {"pp": 2, "loops": 2, "m": 2, "tied": True, "opt": "adamw"},
     {"pp": 2, "loops": 2, "m": 2, "tied": True, "sharding": "none"},
     {"pp": 1, "loops": 2, "m": 2, "tied": True},
+    # built on the meta device (trainer.init_module(empty_init=True)): each rank initializes its own stages only
+    {"pp": 2, "loops": 2, "m": 2, "tied": True, "meta": True},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -51,6 +53,8 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 1},  # looped breadth-first with fewer micro-batches than pipeline ranks (a bubble)
     {"pp": 2, "loops": 2, "m": 2, "counter": True, "eval": True},  # layers with state updated in forward
     {"pp": 2, "loops": 2, "m": 2, "counter": True, "ac": True},  # ... and recomputed in backward
+    {"pp": 2, "loops": 2, "m": 2, "tied": True, "meta": True},  # built on the meta device, seeded per module
+    {"pp": 1, "loops": 2, "m": 2, "tied": True, "meta": True},
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -86,7 +90,8 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
     pp = cfg.get("pp", 1)
     dp = devices // pp
     ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"),
-                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
+                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False),
+                                       meta=cfg.get("meta", False))
     ref_params = {n: t for n, t in ref_params.items() if not n.startswith("counters.")}  # buffers: test_layer_state
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}

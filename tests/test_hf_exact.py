@@ -1,5 +1,6 @@
-"""Hugging Face GPT-2, Llama and Gemma 3 (tiny, random init) under bfpp equal the plain HF model trained in one process,
-and the exported checkpoint loads into the plain HF class with strict=True (no key map)."""
+"""Hugging Face GPT-2, Llama, Qwen2 and Gemma 3 (tiny, random init; Llama and Qwen2 also saved and loaded per stage with
+CausalLM.from_pretrained) under bfpp equal the plain HF model trained in one process, and the exported checkpoint loads
+into the plain HF class with strict=True (no key map)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,28 @@ TOL = 1e-6
 STEPS, BATCH = 3, 8
 # pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
 CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True}, {"family": "gpt2", "attn": "eager"}]
-RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}], 4: CONFIGS}  # devices 2: data parallel 1; devices 4: data parallel 2
+# saved with save_pretrained (Llama in several shards, Qwen2 tied), loaded with CausalLM.from_pretrained per stage
+PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True}]
+RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED], 4: [*CONFIGS, *PRETRAINED]}  # devices 2: dp 1; 4: dp 2
 # sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow (README tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
 BF16_REL = 0.02
 
 
-def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa"):
-    """The unmodified HF model, its own forward, the same cross-entropy, SGD on Lightning's data order."""
+def saved_model(out, family: str):
+    """The tiny model of `family` written by save_pretrained (the same weights as hf_model(family))."""
+    path = out / f"pretrained-{family}"
+    if not path.exists():
+        hf_model(family).save_pretrained(path, max_shard_size="20KB" if family == "llama" else "5GB")
+    return path
+
+
+def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa", pretrained=None):
+    """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained), its own forward, the same
+    cross-entropy, SGD on Lightning's data order."""
     model = hf_model(family, tie, attn)
+    if pretrained is not None:
+        model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = lightning_batches(BATCH, data_parallel)
     losses = []
@@ -53,6 +67,9 @@ def runs(tmp_path_factory):
         if devices not in cache:
             out = tmp_path_factory.mktemp(f"hf{devices}")
             configs = [dict(c) for c in RUNS[devices]] + ([dict(BF16)] if devices == 4 else [])
+            for c in configs:
+                if c.get("pretrained"):
+                    c["pretrained"] = str(saved_model(out, c["family"]))
             if devices == 4:
                 configs[0]["save"] = str(out / "ckpt")
             cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), str(devices), json.dumps(configs)]
@@ -70,8 +87,9 @@ def runs(tmp_path_factory):
                          ids=[f"dp{d // 2}-" + "-".join(f"{v}" for v in c.values()) for d in (2, 4) for c in RUNS[d]])
 def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     cfg = RUNS[devices][index]
-    _, results = runs(devices)
-    model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"))
+    out, results = runs(devices)
+    pretrained = saved_model(out, cfg["family"]) if cfg.get("pretrained") else None
+    model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"), pretrained)
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
     for rank in results[index]:

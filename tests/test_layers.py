@@ -28,7 +28,7 @@ PARTS = {
     "user": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
     "checkpoint": ("_private",),
     "job": ("_private",),
-    "hf": ("contract",),
+    "hf": ("contract", "layout"),
 }
 # pure parts: besides the standard library and the parts above, only these third-party packages
 PURE = {"schedule": (), "sim": ("matplotlib", "yaml")}

@@ -15,7 +15,6 @@ from lightning.fabric.utilities.distributed import (
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -34,11 +33,6 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher
 # torch.set_num_threads(cpu count / local processes) unless OMP_NUM_THREADS is set, as Lightning's launcher does
 # before running the function. Public alternative checked: torch.set_num_threads (would drop Lightning's rule).
 set_num_threads_if_needed = _set_num_threads_if_needed
-
-# Lightning's own step from meta-device to real parameters (reset_parameters per module, with a check that every
-# module has one), as ModelParallelStrategy does for its module. Public alternative checked: torch's
-# ``module.to_empty(device=...)`` + calling ``reset_parameters`` ourselves (the same, without Lightning's check).
-materialize_distributed_module = _materialize_distributed_module
 
 # Lightning's strategies' all_gather (stacked, optional gradient sync) and reduce ("mean"/"sum"/ReduceOp, gloo's
 # missing AVG, a barrier first) over a process group, for bfpp's collectives over the replicas

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,8 @@ class PipelineHooks:
         Each layer must return its output whole (end a column-wise split with a row-wise one, or gather it):
         activations cross stages whole. Raise naming the setting when the model cannot split by ``tensor_parallel``
         (e.g. heads); a weight tied to another module cannot be split. See ``lightning_bfpp.layout.tensor_parallel``.
+        ``pipeline_init_weights(name, module)``: initializes one module of a model built on the meta device, on the
+        ranks holding it; default ``module.reset_parameters()``.
 
     Your ``validation_step``, ``test_step`` and ``predict_step`` run as written on the last stage's ranks, with
     ``self(x)`` returning the pipeline's output; ``training_step`` is replaced by the pipeline (``pipeline_loss``).
@@ -64,6 +66,12 @@ class PipelineHooks:
 
     pipeline_side_inputs = no_side_inputs
 
+    def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
+        """Initialize `module`'s own parameters and buffers (``name``: its qualified name in this LightningModule),
+        which bfpp just gave uninitialized memory: the model was built on the meta device. Called only for this
+        rank's stages, under a seed per module (``lightning_bfpp.layout.materialize``). Default: ``reset_parameters()``."""
+        default_init(name, module)
+
     def pipeline_forward(self, inputs: Any) -> Any:
         """Run all layers in order — the unpipelined forward, for use in ``forward``/``training_step`` (side
         inputs computed once and passed as under bfpp)."""
@@ -74,6 +82,28 @@ class PipelineHooks:
             args, kwargs = LayerCall(layer, f"pipeline_layers()[{i}]").arguments(out, side)
             out = layer(*args, **kwargs)
         return out
+
+
+def own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters and buffers `module` holds itself (not its children's)."""
+    yield from module.named_parameters(recurse=False, remove_duplicate=False)
+    yield from ((n, b) for n, b in module.named_buffers(recurse=False, remove_duplicate=False) if b is not None)
+
+
+def default_init(name: str, module: nn.Module) -> None:
+    """``module.reset_parameters()`` (torch's layers define it); a module holding tensors without one is an error:
+    its memory would stay uninitialized."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    elif any(True for _ in own_tensors(module)):
+        held = ", ".join(n for n, _ in own_tensors(module))
+        raise TypeError(
+            f"{name or 'the root module'} ({type(module).__name__}) holds {held} and has no reset_parameters(), so bfpp "
+            "cannot initialize it after building it on the meta device. Define reset_parameters() on "
+            f"{type(module).__name__}, or pipeline_init_weights(name, module) on the LightningModule (README: Models "
+            "larger than one process)."
+        )
 
 
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")

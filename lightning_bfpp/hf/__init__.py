@@ -1,6 +1,6 @@
 """Hugging Face integration: causal language models from ``transformers`` as pipeline layers (``CausalLM``).
 
-May import: ``contract`` (and Lightning, torch; ``transformers`` only when a model is wrapped).
+May import: ``contract``, ``layout`` (meta-device materialization) (and Lightning, torch; ``transformers`` only when a model is wrapped).
 """
 
 from .causal_lm import CausalLM, TypedDecoderLayer

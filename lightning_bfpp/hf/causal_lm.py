@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +23,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from ..contract.hooks import PipelineHooks
+from ..layout.materialize import has_meta_tensors, seeded_init
+from .pretrained import SafetensorsWeights, build_on_meta, local_directory, shared_names
 
 # attention kernels that are causal (and windowed, from the layer's own `sliding_window`) without a mask
 MASK_FREE = ("flash_attention_2", "flash_attention_3")
@@ -243,6 +248,9 @@ class CausalLM(PipelineHooks, LightningModule):
         check: run the model's own forward and the pipeline layers once on a short probe and refuse the model
             when their logits differ (what its forward adds that lightning_bfpp.hf does not know would otherwise
             train a different model, silently). A model on the meta device is not checked (a warning says so).
+        pretrained: a directory written by ``save_pretrained`` whose weights fill `model`, built on the meta device:
+            under bfpp each rank reads only its own stages' tensors; under other strategies ``configure_model`` reads
+            them all. ``CausalLM.from_pretrained(path)`` builds such a model.
     """
 
     def __init__(
@@ -250,8 +258,16 @@ class CausalLM(PipelineHooks, LightningModule):
         model: nn.Module,
         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
         check: bool = True,
+        pretrained: str | os.PathLike | None = None,
     ):
         super().__init__()
+        on_meta = any(p.is_meta for p in model.parameters())
+        if pretrained is not None and not on_meta:
+            raise ValueError(f"CausalLM(pretrained={str(pretrained)!r}) fills a model built on the meta device; this "
+                             f"{type(model).__name__} holds weights already: use CausalLM.from_pretrained(path).")
+        # the stored tensors, read per module when bfpp (or configure_model) materializes it
+        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), shared_names(model))
+                                     if pretrained is not None else None)
         own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
         if own:
             raise ValueError(f"{type(model).__name__} holds {own[0]} directly; CausalLM adopts its submodules only.")
@@ -265,10 +281,40 @@ class CausalLM(PipelineHooks, LightningModule):
         if getattr(model.config, "output_router_logits", False):
             rank_zero_warn(f"CausalLM: {type(model).__name__} has output_router_logits=True, but its router's auxiliary "
                            "loss is not part of pipeline_loss (only the cross-entropy is trained).")
-        if check and any(p.is_meta for p in model.parameters()):
+        if check and on_meta:
             rank_zero_warn(f"CausalLM: {type(model).__name__} is on the meta device: its layers are not checked against its forward.")
         elif check:
             check_layers_reproduce(model, self.pipeline_forward)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike,
+                        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                        **hf_kwargs: Any) -> CausalLM:
+        """The ``*ForCausalLM`` saved in `name_or_path` (a local directory; a hub name where the network allows),
+        built on the meta device: no process holds the whole model. Under bfpp each rank reads only its own stages'
+        tensors from the safetensors files; under other strategies ``configure_model`` reads them all. `hf_kwargs`:
+        config fields and ``attn_implementation``, ``dtype``, ``trust_remote_code``, as for Hugging Face's own.
+        The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory)."""
+        directory = local_directory(name_or_path)
+        return cls(build_on_meta(directory, dict(hf_kwargs)), optimizer=optimizer, check=False, pretrained=directory)
+
+    def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
+        """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does."""
+        prefix, weights = f"{name}." if name else "", self._weights
+        if weights is None or not weights.stores_all(prefix, module):
+            self.hf_model._init_weights(module)
+        if weights is not None:
+            weights.load(prefix, module)
+            if weights.missing:
+                warnings.warn(f"CausalLM.from_pretrained: {weights.missing} not stored in {weights.directory}: initialized "
+                              f"as {type(self.hf_model).__name__} initializes them.")
+                weights.missing.clear()
+
+    def configure_model(self) -> None:
+        """Outside bfpp (which materializes each rank's own stages), a model built on the meta device is filled
+        here, whole: from the pretrained files, else as bfpp would initialize it in one process."""
+        if not getattr(self.trainer.strategy, "materializes_meta_stages", False) and has_meta_tensors(self):
+            seeded_init(self, device=self.trainer.strategy.root_device, only_meta=True)
 
     def pipeline_layers(self) -> list[nn.Module]:
         return self._layers

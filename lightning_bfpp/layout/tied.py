@@ -95,6 +95,20 @@ class TiedWeights:
             id(self.root.get_parameter(n)) for names, first in zip(self._names, self._first) for n in names if n != first
         }
 
+    @torch.no_grad()
+    def copy_first_stage(self) -> None:
+        """Give every copy the value of the first stage's copy (after a meta-device model is initialized per stage:
+        the copies were initialized by different modules). Collective over the ranks holding copies; before sharding."""
+        for names, first, group in zip(self._names, self._first, self._groups):
+            if not names:
+                continue
+            params = [self.root.get_parameter(n) for n in names]
+            value = params[0].detach().clone() if first is not None else torch.zeros_like(params[0])
+            if group is not None:
+                dist.all_reduce(value, group=group)  # one rank contributes its value, the others zeros: exact
+            for p in params:
+                p.copy_(value)
+
     def sum_gradients(self) -> None:
         """Give every copy the sum of all copies' gradients (after the pipeline step's gradient reduction)."""
         for names, group in zip(self._names, self._groups):

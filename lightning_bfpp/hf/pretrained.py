@@ -1,0 +1,135 @@
+# Scope: pretrained Hugging Face weights read per stage. `CausalLM.from_pretrained` builds the model on the meta device
+# (`build_on_meta`); after the cut, each rank reads only its own tensors from the model's safetensors files
+# (`SafetensorsWeights`: memory-mapped, one file open at a time, sharded indexes included). Nothing is downloaded
+# unless the name is not a local directory and the network allows it.
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+MODEL_KWARGS = ("attn_implementation", "dtype", "torch_dtype", "trust_remote_code")  # for the model, not its config
+
+
+def local_directory(name_or_path: str | os.PathLike) -> Path:
+    """`name_or_path` when it is a directory; else a hub name, fetched (config and safetensors only) where the network
+    allows, or an OSError that says how to get a local directory."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as err:
+        raise OSError(
+            f"CausalLM.from_pretrained({str(name_or_path)!r}): no such local directory, and the Hugging Face Hub did not "
+            f"provide it ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a directory written "
+            "by save_pretrained, or download one where the network allows (`hf download NAME --local-dir DIR`)."
+        ) from err
+
+
+def build_on_meta(directory: Path, hf_kwargs: dict[str, Any]) -> nn.Module:
+    """The ``*ForCausalLM`` of `directory`'s config.json, its parameters on the meta device (no memory, no init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_kwargs = {k: hf_kwargs.pop(k) for k in MODEL_KWARGS if k in hf_kwargs}
+    config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True,
+                                                trust_remote_code=model_kwargs.get("trust_remote_code"), **hf_kwargs)
+    if unused:
+        raise TypeError(
+            f"CausalLM.from_pretrained: {sorted(unused)} are neither {type(config).__name__} fields nor "
+            f"{', '.join(MODEL_KWARGS)}; bfpp places and loads the weights itself (no device_map, quantization or "
+            "low_cpu_mem_usage)."
+        )
+    with parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, **model_kwargs)
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and keep their buffers (rotary frequencies,
+    causal masks: small, and computed in ``__init__`` where no initializer would recompute them). Each parameter is
+    moved as it is registered, before its module's own initialization runs (on the meta device then: no work)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def shared_names(model: nn.Module) -> dict[str, list[str]]:
+    """Every parameter name -> all names of that tensor (tied embeddings: ``lm_head.weight`` and
+    ``model.embed_tokens.weight``; a checkpoint stores one of them)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n: group for group in names.values() for n in group}
+
+
+def own_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s own entries of its state dict (parameters and persistent buffers, not its children's)."""
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if "." not in k}
+
+
+class SafetensorsWeights:
+    """The tensors of a directory saved by ``save_pretrained`` (``model.safetensors``, or shards listed in
+    ``model.safetensors.index.json``), read by name on demand."""
+
+    def __init__(self, directory: Path, aliases: dict[str, list[str]]):
+        from safetensors import safe_open
+
+        self.directory, self.aliases, self._open = directory, aliases, safe_open
+        if (directory / INDEX).is_file():
+            self.file_of = dict(json.loads((directory / INDEX).read_text())["weight_map"])
+        elif (directory / SINGLE).is_file():
+            with safe_open(directory / SINGLE, framework="pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), SINGLE)
+        else:
+            found = sorted(p.name for p in directory.iterdir())[:8]
+            raise FileNotFoundError(
+                f"CausalLM.from_pretrained: {directory} has no {SINGLE} or {INDEX} (it has {found}); bfpp reads "
+                "safetensors only: save the model with save_pretrained(dir) (safe_serialization is the default)."
+            )
+        self.missing: list[str] = []
+
+    def key(self, name: str) -> str | None:
+        """The stored key of parameter or buffer `name` (itself, or a name tied to it), or None."""
+        return next((k for k in (name, *self.aliases.get(name, ())) if k in self.file_of), None)
+
+    def stores_all(self, prefix: str, module: nn.Module) -> bool:
+        return all(self.key(prefix + n) is not None for n in own_state(module))
+
+    @torch.no_grad()
+    def load(self, prefix: str, module: nn.Module) -> None:
+        """Copy the stored values into `module`'s own parameters and persistent buffers (cast to their dtype); names
+        not stored are recorded in `missing`."""
+        by_file: dict[str, list[tuple[torch.Tensor, str]]] = {}
+        for n, target in own_state(module).items():
+            key = self.key(prefix + n)
+            if key is None:
+                self.missing.append(prefix + n)
+            else:
+                by_file.setdefault(self.file_of[key], []).append((target, key))
+        for file, pairs in by_file.items():
+            with self._open(self.directory / file, framework="pt") as f:  # memory-mapped; closed after this module
+                for target, key in pairs:
+                    value = f.get_tensor(key)
+                    if value.shape != target.shape:
+                        raise ValueError(f"CausalLM.from_pretrained: {key} in {self.directory / file} has shape "
+                                         f"{tuple(value.shape)}; the model's config makes it {tuple(target.shape)}.")
+                    target.copy_(value)

@@ -13,6 +13,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -20,7 +21,7 @@ from . import checkpoint as ckpt
 from ._private.lightning_api import SubprocessScriptLauncher, optimizers_to_device
 from ._private.lightning_api import process_group_timeout, set_module_device_mesh, unwrap_optimizer
 from ._private.torch_api import check_compile
-from .contract.hooks import check_callbacks, check_module, contract_notes, training_batch
+from .contract.hooks import built_in_configure_model, check_callbacks, check_module, contract_notes, training_batch
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
 from .job.resume import skip_consumed_batches
@@ -172,6 +173,12 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def setup_environment(self) -> None:
         rendezvous(self, self._setup_distributed)  # waits at least STARTUP_TIMEOUT for every process to start
         if self.auto_layout is not None and not self.plan.decided:  # the mesh, datamodule and samplers depend on it
+            if is_overridden("configure_model", self.lightning_module):
+                raise ValueError(
+                    f"layout='auto' picks the layout before {type(self.lightning_module).__name__}.configure_model builds "
+                    "the layers: build them in __init__ (on the meta device: `with trainer.init_module(empty_init=True):`), "
+                    "or give the layout (pipeline_parallel, loops, ...)."
+                )
             layers = list(self.lightning_module.pipeline_layers())
             rank_zero_info(self.plan.decide(self.lightning_module, layers, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
@@ -182,8 +189,9 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def _check_before_launch(self, ckpt_path: str | None = None, trainer=None) -> None:
-        if self.lightning_module is not None and self.runner is None:  # once built, the model is already cut
-            self.check_model(self.lightning_module)
+        module = self.lightning_module
+        if module is not None and self.runner is None and not built_in_configure_model(module):  # once built, the model is cut
+            self.check_model(module)
         if trainer is not None:
             check_callbacks(trainer.callbacks)
         ckpt.check_path(ckpt_path, trust=self.trust_checkpoints)  # exists, complete, plain data only

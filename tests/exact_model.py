@@ -92,6 +92,26 @@ class StackNet(PipelineHooks, LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class LateStackNet(StackNet):
+    """StackNet whose layers are built in Lightning's configure_model, on the meta device (a user's large-model
+    pattern: no layer exists before the strategy's setup)."""
+
+    def __init__(self, **kwargs):
+        LightningModule.__init__(self)
+        self.save_hyperparameters()
+        self.lr, self.opt = kwargs.get("lr", 0.5), kwargs.get("opt", "sgd")
+        self.kwargs, self.embed = kwargs, None
+
+    def configure_model(self):
+        if self.embed is not None:  # called again by a later fit/validate on the same model
+            return
+        with torch.device("meta"):
+            net = StackNet(**self.kwargs)
+        self.unembed = self.counters = None
+        for name, child in net.named_children():
+            setattr(self, name, child)
+
+
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
     return TensorDataset(torch.randn(SAMPLES, DIM, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))

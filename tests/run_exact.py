@@ -8,7 +8,8 @@ nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step
 "<global step> <error>" when its run raises), step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
 precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local rank
-sleeps before its process group exists), meta (built on the meta device: trainer.init_module(empty_init=True)), counter (StackNet with two stateful
+sleeps before its process group exists), meta (true: built on the meta device by trainer.init_module(empty_init=True);
+"configure_model": LateStackNet, built there on the meta device), counter (StackNet with two stateful
 parameter-free layers, in the first and the last stage; records every buffer). Every run also records "dtypes": p2p
 receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
 OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -30,7 +31,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from exact_model import StackNet, loader  # noqa: E402
+from exact_model import LateStackNet, StackNet, loader  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402
 
@@ -162,8 +163,10 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2, callbacks=callbacks,
     )
     torch.manual_seed(0)
-    with trainer.init_module(empty_init=cfg.get("meta", False)):  # meta: on the meta device, each rank builds its stages
-        model = StackNet(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False))
+    kinds = {"configure_model": LateStackNet}  # meta="configure_model": layers built there, on the meta device
+    with trainer.init_module(empty_init=cfg.get("meta") is True):  # meta: on the meta device, each rank builds its stages
+        model = kinds.get(cfg.get("meta"), StackNet)(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False),
+                                                      counter=cfg.get("counter", False))
     dp = devices // cfg.get("pp", 1)
     per_replica = cfg.get("batch", 16) // dp
     evaluated = {}

@@ -106,6 +106,19 @@ def default_init(name: str, module: nn.Module) -> None:
         )
 
 
+def built_in_configure_model(module: nn.Module) -> bool:
+    """Whether `module` lists no layers before its ``configure_model`` runs (then every rank checks it in ``setup``,
+    not the launching process before the others start)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if not is_overridden("configure_model", module):
+        return False
+    try:
+        return not list(module.pipeline_layers())
+    except Exception:  # e.g. an attribute that configure_model sets
+        return True
+
+
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
 
 

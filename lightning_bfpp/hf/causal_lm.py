@@ -293,7 +293,9 @@ class CausalLM(PipelineHooks, LightningModule):
         """The ``*ForCausalLM`` saved in `name_or_path` (a local directory; a hub name where the network allows),
         built on the meta device: no process holds the whole model. Under bfpp each rank reads only its own stages'
         tensors from the safetensors files; under other strategies ``configure_model`` reads them all. `hf_kwargs`:
-        config fields and ``attn_implementation``, ``dtype``, ``trust_remote_code``, as for Hugging Face's own.
+        config fields and ``attn_implementation``, ``dtype``, ``trust_remote_code``, as for Hugging Face's own; the
+        default dtype is torch's default (fp32, or what ``trainer.init_module()`` sets), not the file's: stored bf16
+        weights train as fp32 master weights under ``precision="bf16-mixed"``.
         The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory)."""
         directory = local_directory(name_or_path)
         return cls(build_on_meta(directory, dict(hf_kwargs)), optimizer=optimizer, check=False, pretrained=directory)

@@ -41,6 +41,8 @@ def build_on_meta(directory: Path, hf_kwargs: dict[str, Any]) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_kwargs = {k: hf_kwargs.pop(k) for k in MODEL_KWARGS if k in hf_kwargs}
+    if "dtype" not in model_kwargs and "torch_dtype" not in model_kwargs:  # the Trainer's precision decides, not the
+        model_kwargs["dtype"] = torch.get_default_dtype()  # file's (Lightning's init_module sets it for "-true" precisions)
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True,
                                                 trust_remote_code=model_kwargs.get("trust_remote_code"), **hf_kwargs)
     if unused:

@@ -9,6 +9,8 @@ import inspect
 import math
 from difflib import get_close_matches
 
+from pathlib import Path
+
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
@@ -16,7 +18,8 @@ from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
             "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size")
 OPTIMIZERS = ("adamw", "sgd")  # examples/gpt.py GPT.configure_optimizers
-FAMILIES = ("gpt", "hf_gpt2", "hf_llama")  # model.family: examples/train.py build_model
+FAMILIES = ("gpt", "hf_gpt2", "hf_llama", "hf_pretrained")  # model.family: examples/train.py build_model
+BYTES = 256  # the local corpus's vocabulary
 # Trainer arguments examples/train.py sets from other keys: `trainer.<key>` would be overridden or conflict.
 SET_ELSEWHERE = {
     "accelerator": "cluster.accelerator", "devices": "cluster.devices", "num_nodes": "cluster.num_nodes",
@@ -146,6 +149,11 @@ def check_model_and_data(cfg: DictConfig) -> None:
         return OmegaConf.select(cfg, key)
 
     family = get("model.family") or "gpt"
+    if family == "hf_pretrained":  # before reading the keys that come from the saved model's config.json
+        if OmegaConf.is_missing(cfg.model, "path"):
+            raise ConfigError("model=hf_pretrained needs the saved model's directory: model.path=/abs/path/to/model "
+                              "(written by save_pretrained).")
+        pretrained_config(cfg.model.path, "vocab_size")
     if family not in FAMILIES:
         raise ConfigError(f"model.family={family!r} is unknown; use one of {', '.join(FAMILIES)} (e.g. model=hf_llama_tiny).")
     if family != "gpt":
@@ -154,12 +162,18 @@ def check_model_and_data(cfg: DictConfig) -> None:
         except ImportError as err:
             raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
                               "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
+    if family != "gpt" and is_int(get("model.vocab_size")) and get("model.vocab_size") < BYTES:
+        raise ConfigError(f"model.vocab_size={get('model.vocab_size')} is below the {BYTES} byte values of the local "
+                          "corpus: use a model with at least 256 tokens (token id = byte value).")
     for key in POSITIVE + (("data.stride",) if get("data.stride") is not None else ()):
         if not is_int(get(key)):
             raise ConfigError(f"{key}={get(key)!r} must be a positive integer; set {key}=1 or more.")
     fraction = get("data.val_fraction")
     if not (_is_number(fraction) and 0 < fraction < 1):
         raise ConfigError(f"data.val_fraction={fraction!r} must be in (0, 1); e.g. data.val_fraction=0.05.")
+    if is_int(get("model.max_positions")) and get("model.block_size") > get("model.max_positions"):
+        raise ConfigError(f"model.block_size={get('model.block_size')} exceeds the saved model's max_position_embeddings="
+                          f"{get('model.max_positions')}; set model.block_size={get('model.max_positions')} or less.")
     if get("data.block_size") > get("model.block_size"):
         raise ConfigError(
             f"data.block_size={get('data.block_size')} must be <= model.block_size={get('model.block_size')} (the "
@@ -278,3 +292,14 @@ def check_corpus(cfg: DictConfig, dp: int) -> None:
         f"data.batch_size={batch} ({per_replica}), so validation would be empty; use data.max_bytes={need} or more, "
         "a larger data.val_fraction, or trainer.limit_val_batches=0 (no validation)."
     )
+
+
+def pretrained_config(path: str, field: str):
+    """`field` of the Hugging Face config saved in the directory `path` (``${bfpp_hf_config:${model.path},field}`` in
+    conf/model/hf_pretrained.yaml): the model's shape is the saved model's, read before any process starts."""
+    if not (Path(str(path)) / "config.json").is_file():
+        raise ConfigError(f"model.path={path!r} is not a directory with a config.json: pass a directory written by "
+                          "save_pretrained (model.path=/abs/path/to/model).")
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), field)

@@ -55,6 +55,9 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("bfpp_run_id", run_id, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("bfpp_rank_suffix", rank_suffix, replace=True)
     OmegaConf.register_new_resolver("bfpp_output_subdir", output_subdir, replace=True)
+    from config_checks import pretrained_config  # model=hf_pretrained: the saved model's shape
+
+    OmegaConf.register_new_resolver("bfpp_hf_config", pretrained_config, replace=True, use_cache=True)
 
 
 # ---- the lock ----

@@ -2,6 +2,7 @@
 # on the stdlib byte corpus with any schedule.
 #   python examples/train.py                                   # defaults: conf/train.yaml
 #   python examples/train.py model=hf_llama_tiny cluster=cpu_2 # lightning_bfpp.hf.CausalLM (pip install lightning-bfpp[hf])
+#   python examples/train.py model=hf_pretrained model.path=DIR  # fine-tune a save_pretrained model, read per stage
 #   python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
 #   python examples/train.py -m schedule=breadth_first,depth_first
 #   torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
@@ -58,8 +59,8 @@ class HFCausalLM(CausalLM):
     """A Hugging Face causal LM with the app's optimizer: the example GPT's parameter groups (no weight decay on
     biases and norms) and warmup + cosine schedule, from `optim.*`."""
 
-    def __init__(self, model, optim: OptimConfig) -> None:
-        super().__init__(model)
+    def __init__(self, model, optim: OptimConfig | None = None, **kwargs) -> None:
+        super().__init__(model, **kwargs)
         self.optim = optim
 
     configure_optimizers = GPT.configure_optimizers  # uses only self.optim, self.parameters() and self.trainer
@@ -82,17 +83,22 @@ def hf_model(m: DictConfig):
 
 
 def build_model(cfg: DictConfig) -> L.LightningModule:
-    """The model of `model.family`: gpt (examples/gpt.py; the default) or hf_gpt2 / hf_llama (hf_model, wrapped by
-    lightning_bfpp.hf.CausalLM: n_layer + 2 pipeline layers like the GPT). Activation checkpointing under strategy=auto:
+    """The model of `model.family`: gpt (examples/gpt.py; the default), hf_gpt2 / hf_llama (hf_model, wrapped by
+    lightning_bfpp.hf.CausalLM: n_layer + 2 pipeline layers like the GPT) or hf_pretrained (a save_pretrained
+    directory, model.path, read per stage). Activation checkpointing under strategy=auto:
     the GPT's blocks, or Hugging Face's own gradient checkpointing; under bfpp the strategy's (build_strategy)."""
     optim = from_config(OptimConfig, cfg.optim)
     optim.betas = tuple(optim.betas)
     if cfg.model.get("family", "gpt") == "gpt":
         return GPT(model_config(cfg), optim)
-    model = hf_model(cfg.model)
+    if cfg.model.family == "hf_pretrained":  # built on the meta device; each rank reads its own stages' tensors
+        lm = HFCausalLM.from_pretrained(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
+        lm.optim = optim
+    else:
+        lm = HFCausalLM(hf_model(cfg.model), optim)
     if cfg.model.activation_checkpointing and cfg.trainer.strategy != "bfpp":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return HFCausalLM(model, optim)
+        lm.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return lm
 
 
 def world_size(cfg: DictConfig) -> int:

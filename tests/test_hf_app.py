@@ -1,5 +1,6 @@
 # Scope: the app's Hugging Face model configs from the command line (model=hf_llama_tiny, model=hf_gpt2_tiny):
-# random-init tiny models built locally (nothing downloaded) train under bfpp and write summary.json.
+# random-init tiny models built locally (nothing downloaded) train under bfpp and write summary.json; a saved model
+# (model=hf_pretrained model.path=DIR) fine-tunes.
 from __future__ import annotations
 
 import json
@@ -40,3 +41,46 @@ def test_hf_configs_follow_the_layer_rule():
         check_config(ok)  # 6 stages, 6 layers
         with pytest.raises(ConfigError, match=r"8 stages .* model.n_layer=4 \(embedding, 4 blocks, head\) gives 6"):
             check_config(bad)
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """A tiny Llama with a byte vocabulary, written by save_pretrained (what a user fine-tunes)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("pretrained") / "llama"
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=256, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_a_saved_model_fine_tunes_from_the_command_line(tmp_path, saved_llama):
+    """model=hf_pretrained model.path=DIR: its shape comes from DIR/config.json; each rank reads its stages."""
+    run_cli(["model=hf_pretrained", f"model.path={saved_llama}", "model.block_size=32", *CHEAP,
+             f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["model"] == "hf_pretrained" and s["steps"] == 2 and s["pipeline_parallel"] == 2
+    assert s["params"] == 2 * (256 * 32) + 2 * (4 * 32 * 32 - 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32) + 32  # the saved shape
+    assert math.isfinite(s["train_loss"]) and s["train_loss"] < 6
+
+
+def test_hf_pretrained_settings_are_checked_before_launch(saved_llama, tmp_path):
+    import run_dir
+    from config_checks import ConfigError, check_config
+
+    run_dir.register_resolvers()  # as examples/train.py does at import: ${bfpp_hf_config:...}
+
+    def compose_with(*overrides):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("train", overrides=["model=hf_pretrained", *overrides])
+
+    with pytest.raises(ConfigError, match=r"needs the saved model's directory: model.path="):
+        check_config(compose_with())
+    with pytest.raises(ConfigError, match=r"model.path='/nowhere' is not a directory with a config.json"):
+        check_config(compose_with("model.path=/nowhere"))
+    with pytest.raises(ConfigError, match=r"model.block_size=64 exceeds the saved model's max_position_embeddings=32"):
+        check_config(compose_with(f"model.path={saved_llama}"))
+    check_config(compose_with(f"model.path={saved_llama}", "model.block_size=32"))

@@ -234,6 +234,24 @@ def check_layers_reproduce(model: nn.Module, pipeline_forward: Callable[[torch.T
         )
 
 
+def _check_meta_buffers(model: nn.Module) -> None:
+    """transformers 4.x's ``_init_weights`` does not recompute buffers (GPT-2's causal masks): refuse a model whose
+    buffers are on the meta device there, rather than train on uninitialized masks (rotary frequencies are
+    recomputed by CausalLM; transformers 5 recomputes every buffer it makes)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).major >= 5:
+        return
+    unknown = [n for n, b in model.named_buffers() if b.is_meta and not n.endswith("inv_freq")]
+    if unknown:
+        raise ValueError(
+            f"CausalLM: {type(model).__name__} was built on the meta device with transformers {transformers.__version__}, "
+            f"which does not recompute its buffers ({unknown[0]}, ...): use CausalLM.from_pretrained(path) (buffers stay "
+            "real), build the model in memory, or use transformers >= 5."
+        )
+
+
 class CausalLM(PipelineHooks, LightningModule):
     """A Hugging Face ``*ForCausalLM`` as a pipelinable LightningModule, with the model's own state-dict keys.
 
@@ -281,6 +299,7 @@ class CausalLM(PipelineHooks, LightningModule):
         if getattr(model.config, "output_router_logits", False):
             rank_zero_warn(f"CausalLM: {type(model).__name__} has output_router_logits=True, but its router's auxiliary "
                            "loss is not part of pipeline_loss (only the cross-entropy is trained).")
+        _check_meta_buffers(model)
         if check and on_meta:
             rank_zero_warn(f"CausalLM: {type(model).__name__} is on the meta device: its layers are not checked against its forward.")
         elif check:
@@ -305,6 +324,9 @@ class CausalLM(PipelineHooks, LightningModule):
         prefix, weights = f"{name}." if name else "", self._weights
         if weights is None or not weights.stores_all(prefix, module):
             self.hf_model._init_weights(module)
+            if hasattr(module, "rope_init_fn") and hasattr(module, "inv_freq"):  # transformers 4.x: not in _init_weights
+                module.inv_freq.copy_(module.rope_init_fn(module.config, module.inv_freq.device)[0])
+                module.original_inv_freq = module.inv_freq
         if weights is not None:
             weights.load(prefix, module)
             if weights.missing:

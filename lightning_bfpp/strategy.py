@@ -13,7 +13,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -173,12 +172,12 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def setup_environment(self) -> None:
         rendezvous(self, self._setup_distributed)  # waits at least STARTUP_TIMEOUT for every process to start
         if self.auto_layout is not None and not self.plan.decided:  # the mesh, datamodule and samplers depend on it
-            if is_overridden("configure_model", self.lightning_module):
-                raise ValueError(
-                    f"layout='auto' picks the layout before {type(self.lightning_module).__name__}.configure_model builds "
-                    "the layers: build them in __init__ (on the meta device: `with trainer.init_module(empty_init=True):`), "
-                    "or give the layout (pipeline_parallel, loops, ...)."
-                )
+            module = self.lightning_module
+            if built_in_configure_model(module) or has_meta_tensors(module):
+                where = "configure_model builds the layers" if built_in_configure_model(module) else \
+                    "the model is on the meta device"
+                raise ValueError(f"layout='auto' times the layers by running them, and {where}: give the layout "
+                                 "(pipeline_parallel, loops, ...), or build the model in memory.")
             layers = list(self.lightning_module.pipeline_layers())
             rank_zero_info(self.plan.decide(self.lightning_module, layers, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
@@ -249,6 +248,9 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layers cannot be cut into pipeline_parallel x loops stages (see ``layout.partition.plan_stages``). Lightning's
         launcher runs this in the launching process before it starts the others; ``setup`` runs it on every rank."""
         check_module(module, self._precision, getattr(self.precision_plugin, "scaler", None) is not None)
+        if self.stage_layers == "auto" and has_meta_tensors(module):
+            raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta device: "
+                             "give the layers per stage, or let bfpp balance them by parameter count (None).")
         layers = list(module.pipeline_layers())
         self._set_world(self.num_processes * self.num_nodes, len(layers))
         if not self._contract_announced:
@@ -270,11 +272,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layout = self.stage_layers
         on_meta = has_meta_tensors(module)  # the same on every rank: every process built the same model
         if layout == "auto":
-            if on_meta:
-                raise ValueError(
-                    "stage_layers='auto' (schedule.layout=auto) times every layer by running it, and this model was built "
-                    "on the meta device: give the layout (layers per stage), or let bfpp balance by parameter count (None)."
-                )
             layout, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
                                                                  self.spec.micro_batches, self.root_device)
             rank_zero_info(line)
@@ -283,7 +280,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                                                          self.global_rank, process_group_timeout(self))
         if on_meta:  # only this rank's stages remain in `module`: they get memory and their weights here
             materialize(module, self.root_device, seed, init_hook(module))
-            self.tied.copy_first_stage()
+            self.tied.copy_initial_value()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,

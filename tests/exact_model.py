@@ -108,8 +108,8 @@ class LateStackNet(StackNet):
         with torch.device("meta"):
             net = StackNet(**self.kwargs)
         self.unembed = self.counters = None
-        for name, child in net.named_children():
-            setattr(self, name, child)
+        for name, child in reversed(list(net.named_children())):  # the head first: a tied weight's first holder is
+            setattr(self, name, child)  # then the later stage's layer (unembed), whose initialization all copies take
 
 
 def dataset() -> TensorDataset:
@@ -135,13 +135,17 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
 def reference(
     steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0,
     skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False, counter: bool = False,
-    meta: bool = False,
+    meta: bool | str = False,
 ):
     """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
     Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1).
-    `meta`: initialized as bfpp initializes a model built on the meta device (seeded per module)."""
+    `meta`: initialized as bfpp initializes a model built on the meta device (seeded per module); "configure_model":
+    a LateStackNet, whose modules are registered in another order."""
     torch.manual_seed(seed)
     model = StackNet(opt=opt, tied=tied, counter=counter)
+    if meta == "configure_model":
+        model = LateStackNet(opt=opt, tied=tied, counter=counter)
+        model.configure_model()
     if meta:
         seeded_init(model, seed)
     opt = model.configure_optimizers()

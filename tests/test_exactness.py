@@ -55,7 +55,8 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 2, "counter": True, "ac": True},  # ... and recomputed in backward
     {"pp": 2, "loops": 2, "m": 2, "tied": True, "meta": True},  # built on the meta device, seeded per module
     {"pp": 1, "loops": 2, "m": 2, "tied": True, "meta": True},
-    {"pp": 2, "loops": 2, "m": 2, "meta": "configure_model"},  # layers built in configure_model, on the meta device
+    # layers built in configure_model, on the meta device, the head registered first (it initializes the tied weight)
+    {"pp": 2, "loops": 2, "m": 2, "tied": True, "meta": "configure_model"},
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -92,7 +93,7 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
     dp = devices // pp
     ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"),
                                        opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False),
-                                       meta=bool(cfg.get("meta")))
+                                       meta=cfg.get("meta", False))
     ref_params = {n: t for n, t in ref_params.items() if not n.startswith("counters.")}  # buffers: test_layer_state
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}

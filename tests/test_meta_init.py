@@ -4,8 +4,6 @@ here; under bfpp per stage in test_hf_exact and test_exactness)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
@@ -141,12 +139,46 @@ def test_from_pretrained_refuses_what_it_cannot_read(saved, tmp_path, monkeypatc
         CausalLM.from_pretrained(saved, device_map="auto")
     with pytest.raises(ValueError, match="holds weights already"):
         CausalLM(tiny_qwen2(), pretrained=saved)
-    # a tensor the files lack is initialized as the class does, with a warning naming it
+    # a parameter the files lack (or store under another name) is an error naming it, not a random weight
     state = {k: v for k, v in tiny_qwen2().state_dict().items() if k != "model.norm.weight" and k != "lm_head.weight"}
     save_file(state, tmp_path / "model.safetensors")
     model = CausalLM.from_pretrained(tmp_path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.raises(ValueError, match=r"stores no model.norm.weight \(nor a name tied to it\)"):
         seeded_init(model, only_meta=True)
-    assert any("['model.norm.weight'] not stored" in str(w.message) for w in caught)
-    assert torch.equal(model.model.norm.weight, torch.ones(32))
+
+
+def test_from_pretrained_reads_base_model_names_and_the_stored_dtype(saved, tmp_path):
+    """A checkpoint saved from the base model (no ``model.`` prefix) loads; ``dtype="auto"`` keeps the file's dtype,
+    the default is torch's (the Trainer's precision decides)."""
+    from safetensors.torch import save_file
+
+    from lightning_bfpp.hf import CausalLM
+
+    reference = tiny_qwen2()
+    state = {k.removeprefix("model."): v.to(torch.bfloat16) for k, v in reference.state_dict().items()}
+    del state["lm_head.weight"]  # tied: stored once, under the embedding's (base model) name
+    save_file(state, tmp_path / "model.safetensors")
+    reference.config.dtype = torch.bfloat16
+    reference.config.save_pretrained(tmp_path)
+    model = seeded_init(CausalLM.from_pretrained(tmp_path), only_meta=True)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    for name, value in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value.to(torch.bfloat16).float()), name
+    auto = seeded_init(CausalLM.from_pretrained(tmp_path, dtype="auto"), only_meta=True)
+    assert auto.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_a_tensor_that_no_initializer_writes_is_refused():
+    class HalfReset(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+            self.register_buffer("mask", torch.ones(4))
+
+        def reset_parameters(self):  # forgets the buffer
+            nn.init.ones_(self.weight)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), HalfReset())
+    with pytest.raises(TypeError, match=r"1.mask \(HalfReset\) was not initialized by HalfReset's reset_parameters\(\)"):
+        materialize(model, torch.device("cpu"), 0, init_hook(model))

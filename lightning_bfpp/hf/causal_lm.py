@@ -24,7 +24,7 @@ from torch import nn
 
 from ..contract.hooks import PipelineHooks
 from ..layout.materialize import has_meta_tensors, seeded_init
-from .pretrained import SafetensorsWeights, build_on_meta, local_directory, shared_names
+from .pretrained import HUB_KWARGS, SafetensorsWeights, build_on_meta, local_directory, stored_names
 
 # attention kernels that are causal (and windowed, from the layer's own `sliding_window`) without a mask
 MASK_FREE = ("flash_attention_2", "flash_attention_3")
@@ -284,7 +284,7 @@ class CausalLM(PipelineHooks, LightningModule):
             raise ValueError(f"CausalLM(pretrained={str(pretrained)!r}) fills a model built on the meta device; this "
                              f"{type(model).__name__} holds weights already: use CausalLM.from_pretrained(path).")
         # the stored tensors, read per module when bfpp (or configure_model) materializes it
-        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), shared_names(model))
+        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model))
                                      if pretrained is not None else None)
         own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
         if own:
@@ -312,12 +312,15 @@ class CausalLM(PipelineHooks, LightningModule):
         """The ``*ForCausalLM`` saved in `name_or_path` (a local directory; a hub name where the network allows),
         built on the meta device: no process holds the whole model. Under bfpp each rank reads only its own stages'
         tensors from the safetensors files; under other strategies ``configure_model`` reads them all. `hf_kwargs`:
-        config fields and ``attn_implementation``, ``dtype``, ``trust_remote_code``, as for Hugging Face's own; the
-        default dtype is torch's default (fp32, or what ``trainer.init_module()`` sets), not the file's: stored bf16
-        weights train as fp32 master weights under ``precision="bf16-mixed"``.
+        config fields, ``attn_implementation``, ``dtype``, ``trust_remote_code``, ``revision``, ``token``,
+        ``cache_dir``, ``subfolder``, as for Hugging Face's own; the default dtype is torch's default (fp32, or what
+        ``trainer.init_module()`` sets), not the file's (``dtype="auto"``): stored bf16 weights train as fp32 master
+        weights under ``precision="bf16-mixed"``. A parameter the files do not store under the model's names (nor
+        a tied or base-model name) is an error: transformers' key renaming at load is not applied.
         The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory)."""
-        directory = local_directory(name_or_path)
-        return cls(build_on_meta(directory, dict(hf_kwargs)), optimizer=optimizer, check=False, pretrained=directory)
+        hub = {k: hf_kwargs.pop(k) for k in HUB_KWARGS if k in hf_kwargs}
+        directory = local_directory(name_or_path, hub, bool(hf_kwargs.get("trust_remote_code")))
+        return cls(build_on_meta(directory, hf_kwargs), optimizer=optimizer, check=False, pretrained=directory)
 
     def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
         """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does."""
@@ -330,8 +333,8 @@ class CausalLM(PipelineHooks, LightningModule):
         if weights is not None:
             weights.load(prefix, module)
             if weights.missing:
-                warnings.warn(f"CausalLM.from_pretrained: {weights.missing} not stored in {weights.directory}: initialized "
-                              f"as {type(self.hf_model).__name__} initializes them.")
+                warnings.warn(f"CausalLM.from_pretrained: buffers {weights.missing} not stored in {weights.directory}: "
+                              f"initialized as {type(self.hf_model).__name__} initializes them.")
                 weights.missing.clear()
 
     def configure_model(self) -> None:

@@ -16,18 +16,22 @@ from torch import nn
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 MODEL_KWARGS = ("attn_implementation", "dtype", "torch_dtype", "trust_remote_code")  # for the model, not its config
+HUB_KWARGS = ("revision", "token", "cache_dir", "subfolder")  # where the files come from
 
 
-def local_directory(name_or_path: str | os.PathLike) -> Path:
-    """`name_or_path` when it is a directory; else a hub name, fetched (config and safetensors only) where the network
-    allows, or an OSError that says how to get a local directory."""
+def local_directory(name_or_path: str | os.PathLike, hub_kwargs: dict[str, Any], remote_code: bool = False) -> Path:
+    """`name_or_path` (its ``subfolder``) when it is a directory; else a hub name, fetched (configs, ``model*``
+    safetensors, and code with `remote_code`) where the network allows with `hub_kwargs` (``revision``, ``token``,
+    ``cache_dir``), or an OSError that says how to get a local directory."""
+    subfolder = hub_kwargs.pop("subfolder", None) or ""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return path
+        return path / subfolder
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+        patterns = ["*.json", "*model*.safetensors", *(["*.py"] if remote_code else [])]
+        return Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub_kwargs)) / subfolder
     except Exception as err:
         raise OSError(
             f"CausalLM.from_pretrained({str(name_or_path)!r}): no such local directory, and the Hugging Face Hub did not "
@@ -41,10 +45,13 @@ def build_on_meta(directory: Path, hf_kwargs: dict[str, Any]) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_kwargs = {k: hf_kwargs.pop(k) for k in MODEL_KWARGS if k in hf_kwargs}
-    if "dtype" not in model_kwargs and "torch_dtype" not in model_kwargs:  # the Trainer's precision decides, not the
-        model_kwargs["dtype"] = torch.get_default_dtype()  # file's (Lightning's init_module sets it for "-true" precisions)
+    dtype = model_kwargs.pop("dtype", model_kwargs.pop("torch_dtype", None))
     config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True,
                                                 trust_remote_code=model_kwargs.get("trust_remote_code"), **hf_kwargs)
+    if dtype == "auto":  # Hugging Face's word for the stored dtype
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.get_default_dtype()
+    # default: the Trainer's precision decides, not the file (Lightning's init_module sets it for "-true" precisions)
+    model_kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.get_default_dtype()
     if unused:
         raise TypeError(
             f"CausalLM.from_pretrained: {sorted(unused)} are neither {type(config).__name__} fields nor "
@@ -74,13 +81,20 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def shared_names(model: nn.Module) -> dict[str, list[str]]:
-    """Every parameter name -> all names of that tensor (tied embeddings: ``lm_head.weight`` and
-    ``model.embed_tokens.weight``; a checkpoint stores one of them)."""
+def stored_names(model: nn.Module) -> dict[str, list[str]]:
+    """Every parameter and buffer name -> the other names a checkpoint may store it under: a tied tensor's other
+    names (``lm_head.weight`` and ``model.embed_tokens.weight``: one is stored), and the name without the base
+    model's prefix (a checkpoint saved from the base model, e.g. ``h.0.attn...`` for ``transformer.h.0.attn...``)."""
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n: group for group in names.values() for n in group}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    aliases: dict[str, list[str]] = {}
+    for group in names.values():
+        others = [*group, *(n[len(prefix):] for n in group if prefix != "." and n.startswith(prefix))]
+        for n in group:
+            aliases[n] = [o for o in others if o != n]
+    return aliases
 
 
 def own_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -118,11 +132,20 @@ class SafetensorsWeights:
 
     @torch.no_grad()
     def load(self, prefix: str, module: nn.Module) -> None:
-        """Copy the stored values into `module`'s own parameters and persistent buffers (cast to their dtype); names
-        not stored are recorded in `missing`."""
+        """Copy the stored values into `module`'s own parameters and persistent buffers (cast to their dtype); a
+        parameter not stored is an error, a buffer not stored is recorded in `missing`."""
         by_file: dict[str, list[tuple[torch.Tensor, str]]] = {}
+        params = {n for n, _ in module.named_parameters(recurse=False)}
         for n, target in own_state(module).items():
             key = self.key(prefix + n)
+            if key is None and n in params:
+                some = ", ".join(list(self.file_of)[:3])
+                raise ValueError(
+                    f"CausalLM.from_pretrained: {self.directory} stores no {prefix + n} (nor a name tied to it); it stores "
+                    f"e.g. {some}. transformers renames some models' stored keys when it loads them (mixture-of-experts "
+                    "layers, older formats); bfpp reads the names the model has. Load it in memory instead: "
+                    "CausalLM(XForCausalLM.from_pretrained(path)), or save it again with save_pretrained from such a model."
+                )
             if key is None:
                 self.missing.append(prefix + n)
             else:

@@ -38,10 +38,10 @@ def _check_metrics(root: nn.Module) -> None:
             )
 
 
-def _make_real(root: nn.Module, device: torch.device | None, everything: bool) -> set[int]:
-    """Give every meta tensor of `root` (every tensor when `everything`) uninitialized memory on `device` (None: where
-    it is, CPU for a meta tensor); a tensor held by several modules stays one tensor. Returns the ids of the modules
-    holding a new tensor."""
+def _make_real(root: nn.Module, device: torch.device | None, everything: bool) -> dict[int, torch.Tensor]:
+    """Give every meta tensor of `root` (every tensor when `everything`) new memory on `device` (None: where it is,
+    CPU for a meta tensor), NaN where it is floating point (what no initializer writes is found afterwards); a tensor
+    held by several modules stays one tensor. Returns {id of a module holding a new tensor: one of its new tensors}."""
     holders: dict[int, list[tuple[nn.Module, str]]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for module in root.modules():
@@ -49,24 +49,49 @@ def _make_real(root: nn.Module, device: torch.device | None, everything: bool) -
             if everything or t.is_meta:
                 holders.setdefault(id(t), []).append((module, key))
                 tensors[id(t)] = t
+    fresh: dict[int, torch.Tensor] = {}
     for tid, places in holders.items():
         old = tensors[tid]
         new = torch.empty_like(old, device=device or (torch.device("cpu") if old.is_meta else old.device))
+        if new.is_floating_point():
+            new.fill_(float("nan"))
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         for module, key in places:
             setattr(module, key, new)
-    return {id(m) for places in holders.values() for m, _ in places}
+            fresh.setdefault(id(module), new)
+    return fresh
+
+
+def _seed(seed: int, devices: list[torch.device]) -> None:
+    """Seed the CPU generator and those of `devices` (CUDA) only: other devices' random state stays the user's."""
+    torch.default_generator.manual_seed(seed)
+    for d in devices:
+        with torch.cuda.device(d):
+            torch.cuda.manual_seed(seed)
+
+
+def _check_written(root: nn.Module, fresh: dict[int, torch.Tensor]) -> None:
+    for name, module in root.named_modules():
+        if id(module) in fresh:
+            for key, t in own_tensors(module):
+                if t.is_floating_point() and t.numel() and torch.isnan(t.reshape(-1)[[0, -1]]).all():  # first, last
+                    raise TypeError(
+                        f"{name}.{key} ({type(module).__name__}) was not initialized by {type(module).__name__}'s "
+                        "reset_parameters() (or pipeline_init_weights) after the model was built on the meta device: "
+                        f"make it write every tensor {type(module).__name__} holds, buffers included."
+                    )
 
 
 def materialize(root: nn.Module, device: torch.device | None, base_seed: int, init: InitHook = default_init,
                 everything: bool = False) -> int:
     """Give `root`'s meta tensors memory on `device` and initialize them; returns how many modules it initialized.
 
-    ``init(name, module)`` runs, under ``torch.no_grad()`` and the seed ``module_seed(base_seed, name)`` (the global RNG
-    is restored afterwards), for each module holding such a tensor and for each module above one that holds none
-    itself (Hugging Face initializes some weights from the parent module). Children run before their parents, later
-    modules before earlier ones: a tensor held by two modules keeps the first holder's initialization.
+    ``init(name, module)`` runs, under ``torch.no_grad()`` and the seed ``module_seed(base_seed, name)`` (the random
+    state is restored afterwards), for each module holding such a tensor and for each module above one that holds
+    none itself (Hugging Face initializes some weights from the parent module). Children run before their parents,
+    later modules before earlier ones: a tensor held by two modules keeps the initialization of the first holder in
+    ``named_modules()`` order. A floating-point tensor that no initializer wrote is an error naming it.
     `everything`: re-initialize every tensor, meta or not (`seeded_init`)."""
     _check_metrics(root)
     fresh = _make_real(root, device, everything)
@@ -74,14 +99,15 @@ def materialize(root: nn.Module, device: torch.device | None, base_seed: int, in
         return 0
     named = list(root.named_modules(remove_duplicate=False))
     above = {id(m) for name, m in named if any(id(sub) in fresh for sub in m.modules())}
-    devices = [device] if device is not None and device.type == "cuda" else []
+    cuda = sorted({t.device for t in fresh.values() if t.device.type == "cuda"}, key=str)
     count = 0
     for name, module in reversed(named):
         if id(module) in fresh or (id(module) in above and not any(True for _ in own_tensors(module))):
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                torch.manual_seed(module_seed(base_seed, name))
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                _seed(module_seed(base_seed, name), cuda)
                 init(name, module)
             count += id(module) in fresh
+    _check_written(root, fresh)
     return count
 
 
@@ -93,9 +119,10 @@ def init_hook(module: nn.Module) -> InitHook:
 def seeded_init(module: nn.Module, seed: int | None = None, device: torch.device | str | None = None,
                 only_meta: bool = False) -> nn.Module:
     """Initialize every tensor of `module` in this process as bfpp initializes a model built on the meta device
-    (new memory on `device`; default: where each tensor is, CPU for meta tensors): each module under its own seed from `seed` (default
-    ``torch.initial_seed()``, which ``seed_everything(s)`` sets to ``s``) and its name. A one-process reference for a
-    meta-built model under bfpp, whatever the layout. `only_meta`: leave tensors that are not on the meta device as
+    (new memory on `device`; default: where each tensor is, CPU for meta tensors): each module under its own seed from
+    `seed` (default ``torch.initial_seed()``, which ``seed_everything(s)`` sets to ``s``) and its name. A one-process
+    reference for a meta-built model under bfpp, whatever the layout, on the same kind of device (CPU and CUDA
+    generators draw differently: ``device="cuda"`` for a GPU run). `only_meta`: leave tensors that are not on the meta device as
     they are. Returns `module`."""
     base = torch.initial_seed() if seed is None else seed
     materialize(module, torch.device(device) if device is not None else None, base, init_hook(module), everything=not only_meta)

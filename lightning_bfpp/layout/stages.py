@@ -24,6 +24,7 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
     """(this rank's stages by index, every stage's module names, the shared weights' copies). Layers of other
     ranks are replaced in `module` (see ``partition.split_stages``)."""
     parts = named_parts(module, layers)  # every layer's modules by their names in `module`, before the split
+    order = {name: i for i, (name, _) in enumerate(module.named_modules(remove_duplicate=False))}
     spec = dims.spec
     modules, names = split_stages(module, layers, spec.num_stages, spec.local_stages(mesh[PP].get_local_rank()),
                                   spec.stage_rank, layout)
@@ -31,7 +32,7 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
     # global rank = (pipeline rank x dp + dp index) x tp + tp index: copies are summed per (dp, tp) index
     shared = find_shared_weights(parts, names)
     tied = TiedWeights(module, shared, modules, spec.stage_rank, dims.data_parallel * dims.tensor_parallel,
-                       global_rank, timeout)
+                       global_rank, timeout, order)
     return modules, names, tied
 
 

@@ -47,12 +47,14 @@ class TiedWeights:
         data_parallel: int,
         global_rank: int,
         timeout: timedelta | None = None,
+        module_order: dict[str, int] | None = None,
     ) -> None:
         self.root = root
         self.shared = shared
         local = set(local_stages)
         self._names: list[list[str]] = []  # per shared weight: its names in this rank's stages, first stage first
         self._first: list[str | None] = []  # the name whose copy counts in the gradient norm (on the first stage)
+        self._source: list[str | None] = []  # the copy whose initial value all copies take (`copy_initial_value`)
         self._groups: list[dist.ProcessGroup | None] = []
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for uses in shared:
@@ -66,6 +68,9 @@ class TiedWeights:
                 _set_parameter(root, name, nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
             self._names.append(mine)
             self._first.append(uses[stages[0]] if stages[0] in local else None)
+            # a meta-built model initializes a tensor held twice by its first holder (layout.materialize): that copy
+            source = min(stages, key=lambda s: (module_order or {}).get(uses[s].rpartition(".")[0], s))
+            self._source.append(uses[source] if source in local else None)
             self._groups.append(groups[pipeline_ranks] if mine else None)
 
     @staticmethod
@@ -96,14 +101,15 @@ class TiedWeights:
         }
 
     @torch.no_grad()
-    def copy_first_stage(self) -> None:
-        """Give every copy the value of the first stage's copy (after a meta-device model is initialized per stage:
-        the copies were initialized by different modules). Collective over the ranks holding copies; before sharding."""
-        for names, first, group in zip(self._names, self._first, self._groups):
+    def copy_initial_value(self) -> None:
+        """Give every copy the value of the copy whose holder comes first in the model's ``named_modules()`` order, as
+        in one process (after a meta-device model is initialized per stage, the copies were initialized by different
+        modules). Collective over the ranks holding copies; before sharding."""
+        for names, source, group in zip(self._names, self._source, self._groups):
             if not names:
                 continue
             params = [self.root.get_parameter(n) for n in names]
-            value = params[0].detach().clone() if first is not None else torch.zeros_like(params[0])
+            value = self.root.get_parameter(source).detach().clone() if source is not None else torch.zeros_like(params[0])
             if group is not None:
                 dist.all_reduce(value, group=group)  # one rank contributes its value, the others zeros: exact
             for p in params:

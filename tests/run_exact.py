@@ -18,6 +18,7 @@ Works under Lightning's own launcher (popen), torchrun and SLURM variables alike
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -164,7 +165,9 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     )
     torch.manual_seed(0)
     kinds = {"configure_model": LateStackNet}  # meta="configure_model": layers built there, on the meta device
-    with trainer.init_module(empty_init=cfg.get("meta") is True):  # meta: on the meta device, each rank builds its stages
+    # meta=True: on the meta device, each rank builds its stages (otherwise built in fp32 and cast by the precision
+    # plugin: init_module would build a bf16-true model in bf16, drawing other initial weights)
+    with trainer.init_module(empty_init=True) if cfg.get("meta") is True else contextlib.nullcontext():
         model = kinds.get(cfg.get("meta"), StackNet)(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False),
                                                       counter=cfg.get("counter", False))
     dp = devices // cfg.get("pp", 1)

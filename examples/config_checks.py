@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import math
 from difflib import get_close_matches
-
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf

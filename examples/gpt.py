@@ -128,8 +128,10 @@ class GPT(PipelineHooks, L.LightningModule):
             self.head.lm_head.weight = self.embedding.tok.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
-            if name.endswith(("proj.weight", "mlp.2.weight")):
+            if name.endswith(tuple(f"{m}.weight" for m in self.RESIDUAL_PROJECTIONS)):
                 nn.init.normal_(p, mean=0.0, std=self._residual_std)
+
+    RESIDUAL_PROJECTIONS = ("proj", "mlp.2")  # the modules whose output is added to the residual stream
 
     @property
     def _residual_std(self) -> float:
@@ -146,7 +148,7 @@ class GPT(PipelineHooks, L.LightningModule):
         """The same rule for a model built on the meta device (``trainer.init_module(empty_init=True)``), applied by
         bfpp to each rank's own modules, each under its own seed (so not the eager model's values)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            self._init_weights(module, self._residual_std if name.endswith(("proj", "mlp.2")) else 0.02)
+            self._init_weights(module, self._residual_std if name.endswith(self.RESIDUAL_PROJECTIONS) else 0.02)
         else:
             super().pipeline_init_weights(name, module)
 

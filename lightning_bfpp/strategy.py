@@ -173,13 +173,13 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         rendezvous(self, self._setup_distributed)  # waits at least STARTUP_TIMEOUT for every process to start
         if self.auto_layout is not None and not self.plan.decided:  # the mesh, datamodule and samplers depend on it
             module = self.lightning_module
-            if built_in_configure_model(module) or has_meta_tensors(module):
-                where = "configure_model builds the layers" if built_in_configure_model(module) else \
-                    "the model is on the meta device"
+            where = "configure_model builds the layers" if built_in_configure_model(module) else \
+                "the model is on the meta device" if has_meta_tensors(module) else None
+            if where:
                 raise ValueError(f"layout='auto' times the layers by running them, and {where}: give the layout "
                                  "(pipeline_parallel, loops, ...), or build the model in memory.")
-            layers = list(self.lightning_module.pipeline_layers())
-            rank_zero_info(self.plan.decide(self.lightning_module, layers, self.root_device, self.world_size,
+            layers = list(module.pipeline_layers())
+            rank_zero_info(self.plan.decide(module, layers, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
         self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.launcher)
         self._device_mesh = build_mesh(self.root_device.type, self.pipeline_parallel, self.world_size,

@@ -68,8 +68,10 @@ class TiedWeights:
                 _set_parameter(root, name, nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
             self._names.append(mine)
             self._first.append(uses[stages[0]] if stages[0] in local else None)
-            # a meta-built model initializes a tensor held twice by its first holder (layout.materialize): that copy
-            source = min(stages, key=lambda s: (module_order or {}).get(uses[s].rpartition(".")[0], s))
+            # a meta-built model initializes a tensor held twice by its first holder in module order
+            # (layout.materialize): that copy; without an order, the first stage's
+            order = module_order or {}
+            source = min(stages, key=lambda s: (order.get(uses[s].rpartition(".")[0], len(order)), s))
             self._source.append(uses[source] if source in local else None)
             self._groups.append(groups[pipeline_ranks] if mine else None)
 

@@ -93,6 +93,10 @@ RUN_RULES = [
      "trainer.gradient_clip_val=null for no clipping"),
     ("checkpoint.every_n_steps", lambda v: is_int(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
     ("checkpoint.keep", lambda v: is_int(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
+    ("checkpoint.on_signal", lambda v: v in ("save", "exit"), "must be save or exit",
+     "save: a checkpoint at the next step boundary, then exit; exit: at once"),
+    ("checkpoint.on_signal_grace_s", lambda v: v is None or (_is_number(v) and v > 0), "must be > 0 seconds or null",
+     "null: 25 s under torchrun and after SLURM's SIGTERM, else 60 s"),
     ("data.num_workers", lambda v: is_int(v, 0), "must be an integer >= 0", "0: load in the training process"),
 ]
 WANDB_MODES = ("offline", "online")

@@ -105,7 +105,7 @@ def world_size(cfg: DictConfig) -> int:
     return int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)
 
 
-def build_strategy(cfg: DictConfig):
+def build_strategy(cfg: DictConfig, run_dir: Path | None = None):
     if cfg.trainer.strategy == "auto":
         return "auto"
     if cfg.trainer.strategy != "bfpp":
@@ -128,7 +128,10 @@ def build_strategy(cfg: DictConfig):
         rows = max(1, int(cfg.data.batch_size) // (2 * int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)))
         s.update(layout=AutoLayout(sample=torch.zeros(rows, int(cfg.model.block_size), dtype=torch.long)),
                  global_batch_size=int(cfg.data.batch_size))
-    return BFPPStrategy(activation_checkpointing=ac, **s)
+    # a stop signal saves <run dir>/checkpoints/last.ckpt at the next step boundary: ckpt_path=auto resumes it
+    signal_checkpoint = run_dir / "checkpoints" / "last.ckpt" if run_dir is not None else None
+    return BFPPStrategy(activation_checkpointing=ac, on_signal=cfg.checkpoint.on_signal,
+                        signal_grace_s=cfg.checkpoint.on_signal_grace_s, signal_checkpoint=signal_checkpoint, **s)
 
 
 class WandbRunId(Callback):
@@ -178,6 +181,30 @@ def check_resume_model(cfg: DictConfig) -> None:
             f"ckpt_path={cfg.ckpt_path} was trained with {', '.join(f'model.{k}={saved[k]}' for k in differ)}; this run "
             f"has {', '.join(f'model.{k}={cfg.model.get(k)}' for k in differ)}. Resume with the checkpoint's settings ("
             + " ".join(f"model.{k}={saved[k]}" for k in differ) + "), or start without ckpt_path.")
+
+
+def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> None:
+    """ckpt_path=auto: the newest complete checkpoint in <run dir>/checkpoints (a bfpp folder, or a plain file under
+    trainer.strategy=auto), else none; says which. A rerun in the same run directory (hydra.run.dir=..., a SLURM
+    requeue, a torchrun restart) so continues where the last one stopped. ckpt_path=null starts fresh."""
+    folder = run_dir / "checkpoints"
+    if cfg.ckpt_path is None:
+        if rundir.global_rank() == "0" and folder.is_dir() and any(folder.iterdir()):
+            log.info(f"ckpt_path=null: starting fresh, although {folder} holds checkpoints (ckpt_path=auto resumes "
+                     "the newest)")
+        return
+    if cfg.ckpt_path != "auto":
+        return
+    from lightning_bfpp.checkpoint.manifest import newest_complete
+
+    candidates = [p for p in [newest_complete(folder)] if p is not None]
+    if folder.is_dir():
+        candidates += [p for p in folder.glob("*.ckpt") if p.is_file()]
+    newest = max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+    cfg.ckpt_path = str(newest) if newest is not None else None
+    if rundir.global_rank() == "0":
+        log.info(f"ckpt_path=auto: resuming from {newest}" if newest is not None else
+                 f"ckpt_path=auto: no checkpoint in {folder}, starting fresh")
 
 
 def wandb_id() -> str:
@@ -238,14 +265,15 @@ def prepare_relaunch() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
         check_config(cfg)
+        resolve_ckpt_path(cfg, run_dir)
         check_resume_model(cfg)
     except ConfigError as err:  # a setting to fix, not a crash: the message alone, exit 2
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     env_before = dict(os.environ)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     launches_children = "LOCAL_RANK" not in os.environ and not os.environ.get("SLURM_NTASKS")
     lock = rundir.acquire(run_dir) if rundir.global_rank() == "0" else None  # this job's process that owns the dir
     if launches_children and world_size(cfg) > 1:
@@ -374,7 +402,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         accelerator=cfg.cluster.accelerator,
         devices=cfg.cluster.devices,
         num_nodes=cfg.cluster.num_nodes,
-        strategy=build_strategy(cfg),
+        strategy=build_strategy(cfg, run_dir),
         logger=loggers or False,
         callbacks=callbacks,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in checkpoints),

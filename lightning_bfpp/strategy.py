@@ -23,6 +23,7 @@ from ._private.torch_api import check_compile
 from .contract.hooks import built_in_configure_model, check_callbacks, check_module, contract_notes, training_batch
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
+from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import skip_consumed_batches
 from .layout.auto import AutoLayout
 from .layout.layer_cost import auto_stage_layers
@@ -90,6 +91,17 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file). Off by
             default: only plain data and tensors load (also switched on by BFPP_TRUST_CHECKPOINTS=1). README
             "Checkpoints" says what is safe to load from an untrusted source.
+        on_signal: what SIGTERM, SIGINT and SLURM's requeue signal do while training: "save" (default) — every rank
+            saves one checkpoint at the next step boundary they agree on, then the run stops (Lightning's
+            ``SIGTERMException``, here ``lightning_bfpp.job.preempt.Preempted``) and the process exits 128 + N;
+            "exit" — every process exits at once. Outside training, and at a second signal, the job exits at once.
+        signal_grace_s: the bound on that save (default: 25 s under torchrun and after SLURM's SIGTERM, whose
+            launchers kill 30 s after the signal; else 60 s); past it the job exits without the save, and the
+            newest complete checkpoint stays intact.
+        signal_checkpoint: where that checkpoint goes. Default: Lightning's HPC checkpoint
+            ``<default_root_dir>/hpc_ckpt_<N>.ckpt`` under SLURM (the requeued job resumes it by itself) or without a
+            ModelCheckpoint (``ckpt_path="hpc"``); else ``last.ckpt`` in the ModelCheckpoint's folder
+            (``ckpt_path="last"``).
 
     Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
     parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
@@ -109,7 +121,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
         trust_checkpoints: bool = False, measure_every_n_steps: int | None = None,
         layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
-        compile: bool = False,
+        compile: bool = False, on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
+        signal_checkpoint: str | Path | None = None,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -131,6 +144,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.tied = None  # TiedWeights, once the model is cut
         self._job = JobGuard()
         self.trust_checkpoints = bool(trust_checkpoints)
+        check_on_signal(on_signal, signal_grace_s)
+        self.on_signal, self.signal_grace_s, self.signal_checkpoint = on_signal, signal_grace_s, signal_checkpoint
 
     # ---- the layout (``self.plan``) ------------------------------------------------------------
     dims = property(lambda self: self.plan.dims)
@@ -181,7 +196,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             layers = list(module.pipeline_layers())
             rank_zero_info(self.plan.decide(module, layers, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
-        self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.launcher)
+        self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.launcher, self.on_signal,
+                        self.signal_grace_s)
         self._device_mesh = build_mesh(self.root_device.type, self.pipeline_parallel, self.world_size,
                                        process_group_timeout(self), self.tensor_parallel)
         assert self.lightning_module is not None
@@ -230,6 +246,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self.on_signal == "save" and not any(isinstance(c, SaveOnSignal) for c in trainer.callbacks):
+                trainer.callbacks.append(SaveOnSignal(self._job, self.signal_checkpoint))  # after the user's callbacks
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)

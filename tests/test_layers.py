@@ -27,7 +27,7 @@ PARTS = {
     "runtime": ("schedule", "contract", "layout", "_private"),
     "user": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
     "checkpoint": ("_private",),
-    "job": ("_private",),
+    "job": ("_private", "checkpoint"),
     "hf": ("contract", "layout"),
 }
 # pure parts: besides the standard library and the parts above, only these third-party packages

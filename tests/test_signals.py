@@ -39,15 +39,15 @@ class Stopped:
     save_dir: Path
 
 
-def signal_job(work: Path, launcher: str, target: str, signum: int, settle: float = 1.0) -> Stopped:
+def signal_job(work: Path, launcher: str, target: str, signum: int, settle: float = 1.0, **cfg_extra) -> Stopped:
     """Train StackNet (pp=2, a checkpoint every step) on WORLD processes under `launcher` ("lightning", "torchrun",
     or "slurm": one process per rank with SLURM's variables), send `signum` to `target` ("launcher": the process the
     user started, rank 0 under SLURM; "child": rank 1; "all": every rank, as SLURM's --signal does) once every rank
-    trains, and wait until every process is gone (at most BUDGET_S + 30 s)."""
+    trains, and wait until every process is gone (at most BUDGET_S + 30 s). `cfg_extra`: tests/run_exact.py keys."""
     pid_dir, save_dir = work / "pids", work / "ckpt"
     pid_dir.mkdir(parents=True)
     cfg = [{"pp": 2, "loops": 1, "m": 2, "batch": BATCH, "steps": 100000, "step_sleep": 0.2, "pid_dir": str(pid_dir),
-            "save_every": 1, "save_dir": str(save_dir), "timeout": 300}]
+            "save_every": 1, "save_dir": str(save_dir), "timeout": 300, **cfg_extra}]
     procs = _start(work, launcher, cfg)
     outputs: list[str] = [""] * len(procs)
     readers = [threading.Thread(target=lambda i=i, p=p: outputs.__setitem__(i, p.communicate()[0]), daemon=True)
@@ -90,6 +90,8 @@ def _dump_stacks(pids: dict[int, int]) -> bool:
 
 
 def _start(work: Path, launcher: str, cfg: list[dict]) -> list[subprocess.Popen]:
+    """The job's processes: the launcher's, torchrun's, or one per rank with SLURM's variables (SLURM_JOB_ID 4242 and
+    a fake `scontrol` that appends its arguments to work/scontrol.log)."""
     args = [str(SCRIPT), str(work / "out"), str(WORLD), json.dumps(cfg)]
     if launcher == "lightning":
         return [start_lightning(work / "out", WORLD, cfg)]

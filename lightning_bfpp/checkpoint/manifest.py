@@ -91,7 +91,7 @@ def verify_checksums(folder: Path, manifest: dict[str, Any] | None) -> None:
         )
 
 
-def _quick_complete(folder: Path) -> tuple[int, float] | None:
+def quick_complete(folder: Path) -> tuple[int, float] | None:
     """(global_step, mtime) when `folder` looks like a complete bfpp checkpoint (names and sizes; no hashing)."""
     try:
         manifest = read_manifest(folder)
@@ -113,7 +113,7 @@ def newest_complete(parent: Path, exclude: Path | None = None) -> Path | None:
         return None
     found = []
     for d in parent.iterdir():
-        if d.is_dir() and not d.name.startswith(".") and d != exclude and (key := _quick_complete(d)) is not None:
+        if d.is_dir() and not d.name.startswith(".") and d != exclude and (key := quick_complete(d)) is not None:
             found.append((key, d))
     return max(found)[1] if found else None
 

@@ -75,7 +75,10 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     token = [uuid.uuid4().hex if _rank() == 0 else None]
     if dist.is_initialized():
         dist.broadcast_object_list(token, src=0)
-    tmp = path.parent / f".{path.name}.tmp-{token[0][:8]}"
+    # no "ckpt_" in a hidden name: Lightning reads the version of every name holding "hpc_ckpt_" / "ckpt_" in
+    # default_root_dir (hpc_ckpt_<N>.ckpt) from all its digits, the token's too
+    hidden = f".{path.name.replace('_', '-')}.tmp-{token[0][:8]}"
+    tmp = path.parent / hidden
     dcp.save({**state, "rng": rng_state()}, checkpoint_id=tmp)
     names: list[Any] = [None]
     if _rank() == 0:
@@ -89,7 +92,7 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
         write_manifest(tmp, files, meta.get("global_step"))
         # the old checkpoint steps aside (a rename) before the new one takes its name, and is deleted only then:
         # a kill at any moment leaves a complete checkpoint, never a half-deleted one
-        old = path.parent / f".{path.name}.tmp-{token[0][:8]}-replaced"
+        old = path.parent / f"{hidden}-replaced"
         if path.exists():
             path.rename(old)
         tmp.rename(path)

@@ -1,5 +1,6 @@
 """Job control: launching the processes (``launcher``), ending the job together on a failure or a signal
-(``watchdog``, ``guard``), and resuming a training epoch where a checkpoint left it (``resume``).
+(``watchdog``, ``guard``), saving on a stop signal at a step boundary the ranks agree on (``preempt``), and resuming
+a training epoch where a checkpoint left it (``resume``).
 
-May import: ``_private``.
+May import: ``_private``, ``checkpoint``.
 """

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -11,9 +12,11 @@ from datetime import timedelta
 from .._private.lightning_api import process_group_timeout_at_least
 from .._private.torch_api import set_default_group_timeout
 from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
-from .watchdog import FAILED, STOP_SIGNALS, Watchdog
+from .preempt import Preempted, default_grace_s
+from .watchdog import FAILED, STOP_SIGNALS, Watchdog, say_stop
 
 STARTUP_TIMEOUT = timedelta(minutes=5)  # the least the rendezvous waits for every process to start
+CHILDREN_WAIT_S = 15.0  # after a save on a signal, the launching process waits this long for its children to end
 
 
 def rendezvous(strategy, setup_distributed: Callable[[], None]) -> None:
@@ -42,18 +45,27 @@ class JobGuard:
         self.watchdog: Watchdog | None = None
         self.launcher = None  # Lightning's launcher when this process launched the others
         self.failed = False
+        self.preempted: Preempted | None = None  # the run stopped after saving on a signal
 
-    def start(self, global_rank: int, world_size: int, cluster_environment, launcher) -> None:
-        """After the process group exists (a one-process job needs no watchdog)."""
+    def start(self, global_rank: int, world_size: int, cluster_environment, launcher, on_signal: str = "exit",
+              grace_s: float | None = None) -> None:
+        """After the process group exists (a one-process job needs no watchdog unless it saves on a signal)."""
         self.launcher = launcher
-        if world_size <= 1 or self.watchdog is not None:
+        save = on_signal == "save"
+        if (world_size <= 1 and not save) or self.watchdog is not None:
             return
         requeue = slurm_requeue_signal(cluster_environment)
         self.watchdog = Watchdog(global_rank, world_size, on_exit=self.kill_children,
                                  signals=STOP_SIGNALS + ((requeue,) if requeue else ()),
-                                 on_signal_stop=(lambda signum: requeue_slurm_job()) if requeue and global_rank == 0 else None)
+                                 on_signal_stop=(lambda signum: requeue_slurm_job()) if requeue and global_rank == 0 else None,
+                                 save_grace_s=(lambda signum: grace_s or default_grace_s(signum, cluster_environment, requeue))
+                                 if save else None)
         self.watchdog.start()
-        self.failed = False
+        self.failed, self.preempted = False, None
+
+    def save_requested(self, step: int) -> int | None:
+        """The signal that asks every rank to save at `step` (on_signal="save"), else None."""
+        return self.watchdog.save_requested(step) if self.watchdog is not None else None
 
     def progress(self, step: int) -> None:
         if self.watchdog is not None:
@@ -74,6 +86,9 @@ class JobGuard:
     def on_exception(self, exception: BaseException) -> None:
         """Name the rank that failed first, on every rank. The launching process hosts the job's store: it
         outlives its children so they can read why the job stops."""
+        if isinstance(exception, Preempted):  # every rank saved and stops here, together: not a failure
+            self.preempted = exception
+            return
         self.failed = True
         if self.watchdog is None:  # before the process group (e.g. its rendezvous timed out): nothing to say
             self.kill_children()
@@ -86,9 +101,18 @@ class JobGuard:
         """Stop the watchdog; returns the exit code a stop signal gave the job (None: end normally)."""
         if self.watchdog is None:
             return None
-        code = self.watchdog.code if self.failed else None
-        self.watchdog.stop(finished=not self.failed)
-        self.watchdog = None
+        watchdog, self.watchdog = self.watchdog, None
+        if self.preempted is not None:  # saved on the signal: every rank ends with its code
+            watchdog.stop(finished=True)
+            signum = self.preempted.signum
+            say_stop(watchdog.rank, f"rank {watchdog.signalled_rank} got {signal.Signals(signum).name} (saved "
+                                    f"{self.preempted.path} at step {self.preempted.step})")
+            self.kill_children(wait=CHILDREN_WAIT_S)  # the launching process: its children stop by themselves
+            if watchdog.on_signal_stop is not None:
+                watchdog.on_signal_stop(signum)
+            return 128 + signum
+        code = watchdog.code if self.failed else None
+        watchdog.stop(finished=not self.failed)
         return code if code != FAILED else None
 
     @staticmethod

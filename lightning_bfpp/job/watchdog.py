@@ -27,8 +27,13 @@ def signal_code(signum: int) -> int:
 
 
 def say_stop(rank: int, reason: str) -> str:
-    """Print why the job stops as one write of one line, so ranks sharing a terminal or pipe never interleave."""
-    message = f"[rank {rank}] bfpp: the job stops because {reason}"
+    """Print why the job stops as one line (see ``_say``)."""
+    return _say(rank, f"the job stops because {reason}")
+
+
+def _say(rank: int, text: str) -> str:
+    """Print `[rank R] bfpp: <text>` as one write of one line, so ranks sharing a terminal or pipe never interleave."""
+    message = f"[rank {rank}] bfpp: {text}"
     sys.stderr.flush()
     try:
         os.write(sys.stderr.fileno(), (message + "\n").encode())  # one write under PIPE_BUF is atomic
@@ -83,6 +88,9 @@ class Watchdog:
       it and exits within ``interval + grace`` seconds, even if blocked in a collective.
     - A rank that gets one of `signals` posts ``rank R got SIGTERM``; every rank prints it and exits at once
       with ``signal_code`` (the launching process first waits up to ``interval + 1`` s for its children).
+      With `save_grace_s` (on_signal="save"), a signal during training instead asks every rank to save at an
+      agreed step (``save_requested``); the job exits when saved, or after ``save_grace_s(signal)`` seconds
+      without it, or at a second signal to the same process.
     - A peer process on this host that is gone without having finished is reported as killed/crashed.
     - A lost store (it lives in rank 0 or the launcher) ends this rank after ``grace`` seconds unless
       the run finishes meanwhile (rank 0 may simply have finished first).
@@ -99,12 +107,19 @@ class Watchdog:
         on_exit: Callable[[float], None] | None = None,
         signals: Sequence[int] = STOP_SIGNALS,
         on_signal_stop: Callable[[int], None] | None = None,
+        save_grace_s: Callable[[int], float] | None = None,
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.interval, self.grace = interval, grace
         self.on_exit = on_exit  # called with seconds to give child processes before they are killed
         self.signals = tuple(int(s) for s in signals)
         self.on_signal_stop = on_signal_stop  # called with the signal before this process exits (SLURM requeue)
+        # on_signal="save": seconds a save may take after signal N (None: a signal ends the job at once)
+        self.save_grace_s = save_grace_s
+        self._own_signals = 0  # signals this process got: a second one ends the job at once, saved or not
+        self._save_deadline: float | None = None  # once a save was asked for: when the job exits without it
+        self._save_request: tuple[int, int, int] | None = None  # (signal, rank that got it, step to save at)
+        self.signalled_rank: int | None = None  # the rank whose signal asked for the save (``save_requested``)
         self.code: int | None = None  # the job's exit code once a stop is known
         self._wakeup: tuple[int, int] | None = None  # (read fd, write fd) of the signal pipe
         self._old_wakeup = -1
@@ -197,6 +212,24 @@ class Watchdog:
         here: the watching thread writes it to the store (within `interval` seconds), off the training step."""
         self._step = step
 
+    def save_requested(self, step: int) -> int | None:
+        """The signal that asked for a save at `step` (an optimizer step boundary every rank checks), else None.
+
+        The rank that got the signal asks for a save at its step + 2: every other rank is at most one step ahead of
+        it (each step's collectives need all ranks), so each reads the request here at that step, and all save there."""
+        if self.save_grace_s is None:
+            return None
+        try:
+            if not self._store.check([self._key("save")]):
+                return None
+            signum, rank, target = _decode_save(self._store.get(self._key("save")))
+        except Exception:  # the store is gone: the watching thread ends this rank
+            return None
+        if step < target:
+            return None
+        self.code, self.signalled_rank = signal_code(signum), rank
+        return signum
+
     def _publish_step(self, store) -> None:
         step = self._step
         if step is not None and step != self._published_step:
@@ -244,6 +277,9 @@ class Watchdog:
             if self._stop.is_set():
                 return
             if signum is not None:
+                self._own_signals += 1
+                if self._own_signals == 1 and self._ask_for_save(store, signum):
+                    continue
                 code, reason = signal_code(signum), f"rank {self.rank} got {signal.Signals(signum).name}"
                 try:
                     code, reason = self._post(store, code, reason)
@@ -253,6 +289,7 @@ class Watchdog:
                 return
             try:
                 self._publish_step(store)
+                self._save_under_way(store)
                 if store.check([self._key("failed")]):
                     code, posted = _decode(store.get(self._key("failed")))
                     if code != FAILED or not posted.startswith(f"rank {self.rank} "):
@@ -271,6 +308,45 @@ class Watchdog:
                     pass
                 self._exit(code, dead)
                 return
+
+    def _ask_for_save(self, store, signum: int) -> bool:
+        """On this rank's first signal in save mode, while training: post a save at this rank's step + 2 (the first
+        post wins: SLURM signals every rank). False when the job should stop at once instead."""
+        if self.save_grace_s is None or self._step is None:
+            return False
+        try:
+            posted = store.compare_set(self._key("save"), "", f"{signum} {self.rank} {self._step + 2}")
+            self._save_under_way(store, _decode_save(posted))
+        except Exception:  # the store's host is gone
+            return False
+        return True
+
+    def _save_under_way(self, store, request: tuple[int, int, int] | None = None) -> None:
+        """Once a save is asked for (by any rank): say so, and end this rank when it takes longer than its grace."""
+        if self.save_grace_s is None:
+            return
+        if self._save_deadline is None:
+            if request is None:
+                if not store.check([self._key("save")]):
+                    return
+                request = _decode_save(store.get(self._key("save")))
+            signum, rank, target = request
+            grace = self.save_grace_s(signum)
+            self._save_deadline = time.monotonic() + grace
+            self._save_request = request
+            _say(self.rank, f"rank {rank} got {signal.Signals(signum).name}: every rank saves a checkpoint at step "
+                            f"{target}, then the job stops (within {grace:.0f} s, or without it; a second signal "
+                            "stops it at once)")
+        elif time.monotonic() > self._save_deadline:
+            signum, rank, target = self._save_request
+            code, reason = signal_code(signum), (f"rank {rank} got {signal.Signals(signum).name}; the checkpoint of "
+                                                 f"step {target} was not saved within the grace time (the newest "
+                                                 "complete checkpoint is intact)")
+            try:
+                code, reason = self._post(store, code, reason)
+            except Exception:
+                pass
+            self._exit(code, reason)
 
     def _wait_for_signal(self, timeout: float) -> int | None:
         """One of this watchdog's signals if it arrives within `timeout` seconds (else None)."""
@@ -324,6 +400,12 @@ class Watchdog:
             self.on_signal_stop(code - 128)
         sys.stdout.flush()
         os._exit(code)
+
+
+def _decode_save(value: bytes) -> tuple[int, int, int]:
+    """(signal, rank that got it, step to save at) of a posted save: "<signal> <rank> <step>"."""
+    signum, rank, step = map(int, value.decode().split())
+    return signum, rank, step
 
 
 def _decode(value: bytes) -> tuple[int, str]:

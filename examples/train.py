@@ -169,6 +169,16 @@ def stored_wandb_id(ckpt_path: str | None) -> str | None:
 MODEL_SHAPE = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "tie_weights")
 
 
+def check_resume_strategy(cfg: DictConfig) -> None:
+    """A bfpp checkpoint folder given to trainer.strategy=auto (which reads one file): name the export command."""
+    path = Path(str(cfg.ckpt_path)) if cfg.ckpt_path else None
+    if cfg.trainer.strategy == "auto" and path is not None and path.is_dir():
+        raise ConfigError(
+            f"ckpt_path={path} is a folder (a bfpp checkpoint); trainer.strategy=auto resumes one file. Export it with "
+            f"its optimizer and loop state: python -m lightning_bfpp.checkpoint {path} {path.with_suffix('.plain.ckpt')} "
+            f"--full, then ckpt_path={path.with_suffix('.plain.ckpt')}.")
+
+
 def check_resume_model(cfg: DictConfig) -> None:
     """`ckpt_path=` of an example GPT trained with other model.* shapes: name them in the app's keys (the strategy
     would name the mismatched parameters, and suggest a LightningModule setting the app has no key for)."""
@@ -197,7 +207,8 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> None:
         return
     from lightning_bfpp.checkpoint.manifest import newest_complete
 
-    candidates = [p for p in [newest_complete(folder)] if p is not None]
+    # strategy=auto resumes plain files only; bfpp both its folders and plain files
+    candidates = [p for p in [newest_complete(folder)] if p is not None] if cfg.trainer.strategy == "bfpp" else []
     if folder.is_dir():
         candidates += [p for p in folder.glob("*.ckpt") if p.is_file()]
     newest = max(candidates, key=lambda p: p.stat().st_mtime, default=None)
@@ -269,6 +280,7 @@ def main(cfg: DictConfig) -> dict | None:
     try:  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
         check_config(cfg)
         resolve_ckpt_path(cfg, run_dir)
+        check_resume_strategy(cfg)
         check_resume_model(cfg)
     except ConfigError as err:  # a setting to fix, not a crash: the message alone, exit 2
         print(f"error: {err}", file=sys.stderr)

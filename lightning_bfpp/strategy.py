@@ -142,6 +142,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.measured_step = False  # whether the last training step was measured
         self._handover = GradHandover()  # gradients from the schedule in training_step, handed over in backward
         self.tied = None  # TiedWeights, once the model is cut
+        self.param_order: list[str] = []  # the whole model's parameter names, in its order (before the cut)
         self._job = JobGuard()
         self.trust_checkpoints = bool(trust_checkpoints)
         check_on_signal(on_signal, signal_grace_s)
@@ -294,6 +295,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                                                                  self.spec.micro_batches, self.root_device)
             rank_zero_info(line)
         seed = self.broadcast(torch.initial_seed()) if on_meta else 0  # rank 0's: one initialization for all ranks
+        self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, layout,
                                                          self.global_rank, process_group_timeout(self))
         if on_meta:  # only this rank's stages remain in `module`: they get memory and their weights here
@@ -326,6 +328,10 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         checkpoint["bfpp"] = self.plan.checkpoint_meta(self.stage_layer_names, self.stage_times_s)
+        aliases = self.tied.aliases() if self.tied is not None else {}
+        # each optimizer's param groups as the whole model's names: `export --full` numbers them as torch does
+        checkpoint["bfpp"]["optimizer_groups"] = [ckpt.optimizer_groups(self.model, unwrap_optimizer(o), self.param_order,
+                                                                        aliases) for o in self.optimizers]
         ckpt.save(path, state, checkpoint)
 
     @override
@@ -335,7 +341,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         aliases = self.tied.aliases() if self.tied is not None else None
         # every rank checks the checkpoint (under torchrun/SLURM no launcher has) and loads without running code
         return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading, aliases=aliases,
-                         trust=self.trust_checkpoints)
+                         trust=self.trust_checkpoints, param_order=self.param_order)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -346,8 +352,11 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         if trainer.training:
             check_training_loader(dataloader, self.plan)
-            if trainer.fit_loop.restarting:
-                return skip_consumed_batches(dataloader, trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+            fit_loop = trainer.fit_loop
+            batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
+            # mid-epoch only: a checkpoint of a finished epoch (or of its last batch) resumes at the next epoch's start
+            if fit_loop.restarting and epochs.completed < epochs.ready and not batches.is_last_batch:
+                return skip_consumed_batches(dataloader, batches.current.processed)
         return dataloader
 
     # ---- steps ---------------------------------------------------------------------------------

@@ -89,6 +89,11 @@ class StackNet(PipelineHooks, LightningModule):
     def configure_optimizers(self):
         if self.opt == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr / 50, weight_decay=0.1)
+        if self.opt == "adamw_groups":  # nanoGPT's groups: weight decay on matrices, none on biases and norms
+            params = [p for p in self.parameters() if p.requires_grad]
+            return torch.optim.AdamW([{"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+                                      {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1}],
+                                     lr=self.lr / 50)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 

@@ -2,7 +2,7 @@
 
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
-eval (validate/test/predict after fit), opt (sgd|adamw),
+eval (validate/test/predict after fit), opt (sgd|adamw|adamw_groups),
 save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index), own_batch (rank 1 alone changes its batch at that index),
 nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, its global step to
 pid_dir/stepR after every batch, and pid_dir/exceptionR = "<global step> <error>" when its run raises), on_signal

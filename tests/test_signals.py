@@ -1,6 +1,8 @@
 """SIGTERM / SIGINT to the launching process or to a child rank, under Lightning's launcher and torchrun: every
 process is gone within seconds, the job exits with the signal's code (128 + N), every rank names the rank that
-got the signal, and the newest checkpoint folder is complete and holds the reference weights of its step."""
+got the signal, and the newest checkpoint folder is complete and holds the reference weights of its step. With
+on_signal="save" (the default) every rank first saves last.ckpt at one step boundary (tests/test_preemption.py: what
+resumes it)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def signal_job(work: Path, launcher: str, target: str, signum: int, settle: floa
     pid_dir, save_dir = work / "pids", work / "ckpt"
     pid_dir.mkdir(parents=True)
     cfg = [{"pp": 2, "loops": 1, "m": 2, "batch": BATCH, "steps": 100000, "step_sleep": 0.2, "pid_dir": str(pid_dir),
-            "save_every": 1, "save_dir": str(save_dir), "timeout": 300, **cfg_extra}]
+            "save_every": 1, "save_dir": str(save_dir), "timeout": 300, "root": str(work / "root"), **cfg_extra}]
     procs = _start(work, launcher, cfg)
     outputs: list[str] = [""] * len(procs)
     readers = [threading.Thread(target=lambda i=i, p=p: outputs.__setitem__(i, p.communicate()[0]), daemon=True)
@@ -109,12 +111,16 @@ def _start(work: Path, launcher: str, cfg: list[dict]) -> list[subprocess.Popen]
         MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PATH=f"{fake_bin}:{os.environ['PATH']}")) for r in range(WORLD)]
 
 
-def newest_checkpoint_is_complete(save_dir: Path, work: Path) -> int:
-    """Every visible checkpoint folder is complete; the newest holds the reference weights of its step."""
+def newest_checkpoint_is_complete(save_dir: Path, work: Path, name: str | None = None) -> int:
+    """Every visible checkpoint folder is complete; the newest (or `name`) holds the reference weights of its step."""
     saved = {int(p.name[5:-5]): p for p in save_dir.glob("step=*.ckpt")}
     assert saved, "no checkpoint was written before the signal"
     assert all(ckpt.is_sharded(p) for p in saved.values()), sorted(p.name for p in saved.values())
     step = max(saved)
+    if name is not None:
+        assert ckpt.is_sharded(save_dir / name), sorted(p.name for p in save_dir.iterdir())
+        step = ckpt.read_meta(save_dir / name)["global_step"]
+        saved[step] = save_dir / name
     state = ckpt.export(saved[step], work / "exported.pt")
     want, _ = reference(step, BATCH)  # (one epoch: 16 steps; the signal comes after about 6)
     assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-6
@@ -140,7 +146,10 @@ def test_signal_stops_every_process(tmp_path, launcher, target, signum):
     # Lightning's launching process is rank 0; torchrun passes its own signal on to every worker: one is named
     got = rf"rank \d got {signum.name}" if (launcher, target) == ("torchrun", "launcher") else \
         f"rank {int(target == 'child')} got {signum.name}"
-    assert re.fullmatch(got, reasons.pop()), said
+    # on_signal="save" (the default): every rank saved last.ckpt (the ModelCheckpoint's folder) at one step first
+    saved = re.fullmatch(got + rf" \(saved {re.escape(str(stopped.save_dir / 'last.ckpt'))} at step (\d+)\)", reasons.pop())
+    assert saved, said
+    assert newest_checkpoint_is_complete(stopped.save_dir, tmp_path, "last.ckpt") == int(saved[1])
     newest_checkpoint_is_complete(stopped.save_dir, tmp_path)
 
 
@@ -153,9 +162,9 @@ def test_killed_child_gives_the_failure_code(tmp_path):
 
 
 def test_slurm_requeue_signal_stops_every_rank_and_requeues(tmp_path):
-    """SLURM's requeue signal (SIGUSR1, e.g. `#SBATCH --signal=USR1@90`, sent to every task): every rank stops with
-    138, rank 0 runs `scontrol requeue <job>`, and the newest checkpoint is complete (the requeued job resumes from it)."""
-    stopped = signal_job(tmp_path, "slurm", "all", signal.SIGUSR1)
+    """SLURM's requeue signal (SIGUSR1, e.g. `#SBATCH --signal=USR1@90`, sent to every task), on_signal="exit": every
+    rank stops at once with 138, rank 0 runs `scontrol requeue <job>`, and the newest checkpoint is complete (the requeued job resumes from it)."""
+    stopped = signal_job(tmp_path, "slurm", "all", signal.SIGUSR1, on_signal="exit")  # saving: tests/test_preemption.py
     assert stopped.gone_s < BUDGET_S and stopped.codes == [128 + signal.SIGUSR1] * WORLD, (stopped.codes, stopped.output[-4000:])
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     said = STOPPED.findall(stopped.output)

@@ -10,14 +10,17 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .manifest import check_folder, newest_note, verify_checksums
+from .plain import plain_state
 from .safety import TRUST_ENV, CheckpointError, trusted
 from .sharded import dcp_load
 
 
-def export(checkpoint_dir: Path, out: Path, trust: bool = False) -> dict[str, torch.Tensor]:
+def export(checkpoint_dir: Path, out: Path, trust: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
     """Consolidate a bfpp checkpoint folder into one file: {"state_dict": {name: full tensor}, plus the
     Lightning metadata (epoch, global_step, hyper_parameters)} — `Model.load_from_checkpoint(out)` and
     `model.load_state_dict(torch.load(out)["state_dict"], strict=True)` work with no process group.
+    `full`: also the optimizer state (torch's, by position) and Lightning's loops, callbacks and LR schedulers — a
+    plain Lightning checkpoint that `Trainer(strategy="auto")` and DDP resume with `ckpt_path=out`.
     The folder is checked and its checksums verified first; `out` is written only on success."""
     checkpoint_dir, out, trust = Path(checkpoint_dir), Path(out), trusted(trust)
     if not checkpoint_dir.is_dir():
@@ -33,16 +36,37 @@ def export(checkpoint_dir: Path, out: Path, trust: bool = False) -> dict[str, to
                if isinstance(v, TensorStorageMetadata) else None
                for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     box = {"state_dict": request}
+    if full:
+        box.update(_optimizer_request(metadata, meta, checkpoint_dir))
     dcp_load(box, checkpoint_dir, trust)
-    state_dict = box["state_dict"]
-    keep = {k: v for k, v in meta.items() if k not in ("loops", "callbacks", "optimizer_states", "lr_schedulers")}
+    state_dict = box.pop("state_dict")
+    if full:
+        groups = meta["bfpp"]["optimizer_groups"]
+        extra = {**meta, "optimizer_states": [plain_state(box[f"optimizer_{i}"], g) for i, g in enumerate(groups)]}
+    else:
+        extra = {k: v for k, v in meta.items() if k not in ("loops", "callbacks", "optimizer_states", "lr_schedulers")}
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        torch.save({**keep, "state_dict": state_dict}, tmp)
+        torch.save({**extra, "state_dict": state_dict}, tmp)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return state_dict
+
+
+def _optimizer_request(metadata, meta: dict, folder: Path) -> dict[str, dict]:
+    """{"optimizer_<i>": {flattened key: an empty tensor of the saved shape, or None for a setting}} for dcp_load."""
+    groups = meta.get("bfpp", {}).get("optimizer_groups")
+    if groups is None:
+        raise CheckpointError(f"{folder} does not record its optimizer's param groups (written by lightning-bfpp before "
+                              "`export --full`): export its weights only (without --full).")
+    request: dict[str, dict] = {f"optimizer_{i}": {} for i in range(len(groups))}
+    for key, value in metadata.state_dict_metadata.items():
+        head, _, rest = key.partition(".")
+        if head in request:
+            request[head][rest] = torch.empty(tuple(value.size), dtype=value.properties.dtype) \
+                if isinstance(value, TensorStorageMetadata) else None
+    return request
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,11 +76,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("checkpoint", type=Path, help="checkpoint folder written by strategy='bfpp'")
     p.add_argument("out", type=Path, help="output file, e.g. model.ckpt")
+    p.add_argument("--full", action="store_true",
+                   help="also the optimizer state, loops, callbacks and LR schedulers: a plain Lightning checkpoint that "
+                        "strategy='auto' and DDP resume")
     p.add_argument("--trust", action="store_true",
                    help=f"unpickle without restrictions (only for a checkpoint from a source you trust; or {TRUST_ENV}=1)")
     a = p.parse_args(argv)
     try:
-        state = export(a.checkpoint, a.out, trust=a.trust)
+        state = export(a.checkpoint, a.out, trust=a.trust, full=a.full)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
     n = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))

@@ -34,6 +34,7 @@ from .manifest import (
     verify_checksums,
     write_manifest,
 )
+from . import plain
 from .safety import TRUST_ENV, CheckpointError, SafePlanner, SafeReader, load_file, trusted
 
 # Optimizer state flattened to per-parameter keys ("state.blocks.3.fc.weight.exp_avg", "param_groups.
@@ -232,6 +233,7 @@ def load(
     strict: bool = True,
     aliases: dict[str, list[str]] | None = None,
     trust: bool = False,
+    param_order: list[str] | None = None,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint (any layout) or a single full file into the local stages; return metadata.
 
@@ -239,10 +241,11 @@ def load(
     of the checksums, and compares the checkpoint's parameter names and shapes with the whole model's: a
     difference fails unless `strict` is False (then the matching weights load, the optimizer state does not).
     `aliases`: other names of a shared (tied) weight. A layout with one copy saves its optimizer state under
-    one name only; a layout with a copy per stage reads each copy's state from whichever name was saved."""
+    one name only; a layout with a copy per stage reads each copy's state from whichever name was saved.
+    `param_order`: the whole model's parameter names in its order, to name a plain checkpoint's optimizer state."""
     path, trust, aliases = Path(path), trusted(trust), aliases or {}
     if path.is_file():
-        return _load_full_file(path, module, strict, aliases, bool(optimizers), trust)
+        return _load_full_file(path, module, strict, aliases, optimizers, trust, param_order)
     if not path.exists():
         raise CheckpointError(f"ckpt_path={str(path)!r} does not exist.{newest_note(path)}")
     metadata, meta, manifest = check_folder(path, trust)
@@ -310,18 +313,16 @@ def _read_full_file(path: Path, trust: bool) -> dict[str, Any]:
     return checkpoint
 
 
-def _load_full_file(path: Path, module: nn.Module, strict: bool, aliases: dict[str, list[str]], fitting: bool,
-                    trust: bool) -> dict[str, Any]:
-    """A plain (single-process) Lightning checkpoint or an exported file: full tensors by global name.
+def _load_full_file(path: Path, module: nn.Module, strict: bool, aliases: dict[str, list[str]],
+                    optimizers: list[torch.optim.Optimizer], trust: bool, param_order: list[str] | None) -> dict[str, Any]:
+    """A plain Lightning checkpoint (single device, DDP, strategy="auto"; or `export --full`) or an exported file:
+    full tensors by global name.
 
-    Weights load into any layout (validate/test/predict with ``ckpt_path=file``); loops and LR schedulers
-    follow when the file has them. Optimizer state in Lightning's id-keyed form is not restored. A file with
-    weights only (an export) starts `fit` from those weights at step 0 with a fresh optimizer and LR schedule."""
+    Weights load into any layout; loops, LR schedulers and the optimizer state (torch's, by position: named with the
+    optimizer's param groups, ``plain``) follow when the file has them. A file with weights only (an export) starts
+    `fit` from those weights at step 0 with a fresh optimizer and LR schedule."""
     checkpoint = _read_full_file(path, trust)
-    if checkpoint.get("optimizer_states"):
-        rank_zero_warn(f"{path}: a plain checkpoint's optimizer state is not restored under strategy='bfpp' "
-                       "(only weights, loops and schedulers); resume from a bfpp checkpoint folder for exact resume.")
-    elif fitting and "lr_schedulers" not in checkpoint:
+    if optimizers and "lr_schedulers" not in checkpoint:
         rank_zero_warn(f"{path} holds weights only (an export): training starts from these weights at step 0 with a "
                        "fresh optimizer and LR schedule; resume from a bfpp checkpoint folder to continue a run exactly.")
     checkpoint.setdefault("lr_schedulers", [])
@@ -330,6 +331,21 @@ def _load_full_file(path: Path, module: nn.Module, strict: bool, aliases: dict[s
     partial = _check_model(path, _shapes(full), local, strict, aliases)
     names = [k for k in local if k in full] if partial is None else sorted(partial)
     set_model_state_dict(module, {k: full[k] for k in names}, options=StateDictOptions(full_state_dict=True, strict=False))
+    saved = checkpoint.get("optimizer_states") or []
+    if optimizers and saved and partial is None:
+        if len(saved) != len(optimizers) or param_order is None:
+            raise CheckpointError(f"{path} holds {len(saved)} optimizer state(s); this model has {len(optimizers)} "
+                                  "optimizer(s). Resume with the configure_optimizers it was saved with.")
+        shapes = {k: v.shape for k, v in full.items() if isinstance(v, torch.Tensor)}
+        for optimizer, plain_state in zip(optimizers, saved):
+            groups = plain.optimizer_groups(module, optimizer, param_order, aliases)
+            state, settings = plain.named_state(plain_state, groups, shapes, str(path))
+            osd = plain.local_state_dict(module, optimizer, state, settings, param_order, aliases)
+            if state:
+                set_optimizer_state_dict(module, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+            else:  # no per-parameter state (e.g. SGD without momentum): torch's loader needs one; the settings alone
+                for group, saved_group in zip(optimizer.param_groups, osd["param_groups"]):
+                    group.update({k: v for k, v in saved_group.items() if k != "params"})
     checkpoint.pop("state_dict", None)
     checkpoint.pop("optimizer_states", None)
     return checkpoint

@@ -337,7 +337,7 @@ class RunConfig(Callback):
 
 class LastCheckpoint(Callback):
     """`<run dir>/checkpoints/last.ckpt`: the newest state, written with every `step-N.ckpt` and when training ends
-    (also when max_steps stops it mid-epoch, before Lightning counts the epoch as done, so it resumes exactly),
+    (when max_steps stops it mid-epoch: at that step's end, which Lightning resumes mid-epoch, so exactly),
     replaced in place (a run resumed into the same directory too). Lightning's own `save_last` skips the end of
     training once it has saved a periodic checkpoint (last.ckpt stayed at the last multiple of every_n_steps)."""
 
@@ -345,7 +345,9 @@ class LastCheckpoint(Callback):
         self.path, self.every, self.saved_at = path, every_n_steps, -1
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if self.every > 0 and trainer.global_step % self.every == 0:
+        # the last step saves here, mid-epoch: saved in on_train_epoch_end, Lightning would resume it at the next epoch
+        last = 0 < trainer.max_steps <= trainer.global_step
+        if (self.every > 0 and trainer.global_step % self.every == 0) or last:
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -135,3 +135,22 @@ def test_app_resumes_by_itself_after_sigterm(tmp_path):
     a, b = _summary(whole), _summary(run_dir)
     assert b["steps"] == 40 and abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * a["train_loss"], (a, b)
     assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * a["val_loss"], (a, b)
+
+
+def test_app_resumes_on_another_world_size_with_layout_auto(tmp_path):
+    """Elastic: a run on 2 processes stops at step 4; the same run directory restarted on 1 process with
+    schedule.layout=auto picks its own layout, resumes by itself (ckpt_path=auto), and ends where an uninterrupted
+    run of 8 steps ends: the same global batch (data.batch_size) in the same order, whatever the data parallelism."""
+    from test_app import run_cli
+    from test_cli_layouts import COMMON, _summary
+
+    auto = [*COMMON, "schedule.layout=auto", "data.batch_size=8", "trainer.val_check_interval=8"]
+    run_dir, whole = tmp_path / "run", tmp_path / "whole"
+    run_cli([*auto, "cluster=cpu_2", "trainer.max_steps=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    again = run_cli([*auto, "cluster=cpu_1", "trainer.max_steps=8", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert f"ckpt_path=auto: resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in again.stdout + again.stderr
+    run_cli([*auto, "cluster=cpu_1", "trainer.max_steps=8", f"hydra.run.dir={whole}"], cwd=tmp_path)
+    a, b = _summary(whole), _summary(run_dir)
+    assert b["steps"] == 8 and b["world_size"] == 1
+    assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * a["train_loss"], (a, b)
+    assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * a["val_loss"], (a, b)

@@ -93,6 +93,8 @@ RUN_RULES = [
      "trainer.gradient_clip_val=null for no clipping"),
     ("checkpoint.every_n_steps", lambda v: is_int(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
     ("checkpoint.keep", lambda v: is_int(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
+    ("checkpoint.async_save", lambda v: isinstance(v, bool), "must be true or false",
+     "true: saves are written in the background"),
     ("checkpoint.on_signal", lambda v: v in ("save", "exit"), "must be save or exit",
      "save: a checkpoint at the next step boundary, then exit; exit: at once"),
     ("checkpoint.on_signal_grace_s", lambda v: v is None or (_is_number(v) and v > 0), "must be > 0 seconds or null",

@@ -131,6 +131,7 @@ def build_strategy(cfg: DictConfig, run_dir: Path | None = None):
     # a stop signal saves <run dir>/checkpoints/last.ckpt at the next step boundary: ckpt_path=auto resumes it
     signal_checkpoint = run_dir / "checkpoints" / "last.ckpt" if run_dir is not None else None
     return BFPPStrategy(activation_checkpointing=ac, on_signal=cfg.checkpoint.on_signal,
+                        async_save=bool(cfg.checkpoint.get("async_save", False)),
                         signal_grace_s=cfg.checkpoint.on_signal_grace_s, signal_checkpoint=signal_checkpoint, **s)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -102,6 +102,10 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             ``<default_root_dir>/hpc_ckpt_<N>.ckpt`` under SLURM (the requeued job resumes it by itself) or without a
             ModelCheckpoint (``ckpt_path="hpc"``); else ``last.ckpt`` in the ModelCheckpoint's folder
             (``ckpt_path="last"``).
+        async_save: while fitting, a save copies the state to CPU memory and returns; the files are written in the
+            background (torch.distributed.checkpoint's async_save, then the manifest and the rename on a gloo group of
+            their own). The next save, the end of fit, and a stop signal's exit wait for it. Saves outside fit are
+            written at once. Costs a CPU copy of this rank's state while it is written.
 
     Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
     parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
@@ -122,7 +126,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         trust_checkpoints: bool = False, measure_every_n_steps: int | None = None,
         layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
         compile: bool = False, on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
-        signal_checkpoint: str | Path | None = None,
+        signal_checkpoint: str | Path | None = None, async_save: bool = False,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -147,6 +151,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.trust_checkpoints = bool(trust_checkpoints)
         check_on_signal(on_signal, signal_grace_s)
         self.on_signal, self.signal_grace_s, self.signal_checkpoint = on_signal, signal_grace_s, signal_checkpoint
+        self.async_save = bool(async_save)
+        self._saves = ckpt.BackgroundSaves()  # async_save: the save under way
 
     # ---- the layout (``self.plan``) ------------------------------------------------------------
     dims = property(lambda self: self.plan.dims)
@@ -221,6 +227,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._saves.close()  # the save under way is written before anything ends
         code = self._job.stop()  # after a stop signal: the job's code (128 + N)
         super().teardown()
         if code is not None:
@@ -332,7 +339,9 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         # each optimizer's param groups as the whole model's names: `export --full` numbers them as torch does
         checkpoint["bfpp"]["optimizer_groups"] = [ckpt.optimizer_groups(self.model, unwrap_optimizer(o), self.param_order,
                                                                         aliases) for o in self.optimizers]
-        ckpt.save(path, state, checkpoint)
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+        ckpt.save(path, state, checkpoint, background=self._saves if self.async_save and fitting else None)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ eval (validate/test/predict after fit), opt (sgd|adamw|adamw_groups),
 save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index), own_batch (rank 1 alone changes its batch at that index),
 nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, its global step to
 pid_dir/stepR after every batch, and pid_dir/exceptionR = "<global step> <error>" when its run raises), on_signal
-(save|exit) + grace (signal_grace_s), root (default_root_dir), step_sleep (seconds per batch), tied (StackNet with its input
+(save|exit) + grace (signal_grace_s), root (default_root_dir), async_save, step_sleep (seconds per batch), tied (StackNet with its input
 projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
 precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local rank
 sleeps before its process group exists), meta (true: built on the meta device by trainer.init_module(empty_init=True);
@@ -153,7 +153,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         stage_layers=cfg.get("stage_layers"),
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
-        on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"),
+        on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"), async_save=cfg.get("async_save", False),
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]

@@ -163,6 +163,9 @@ CHECKS = [  # (overrides, what the error must say)
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
     (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val=-1 must be >= 0 or null"),
     (["checkpoint.every_n_steps=-1"], "checkpoint.every_n_steps=-1 must be an integer >= 0"),
+    (["checkpoint.async_save=maybe"], "checkpoint.async_save='maybe' must be true or false"),
+    (["checkpoint.on_signal=later"], "checkpoint.on_signal='later' must be save or exit"),
+    (["checkpoint.on_signal_grace_s=0"], "checkpoint.on_signal_grace_s=0 must be > 0 seconds or null"),
     (["data.num_workers=-1"], "data.num_workers=-1 must be an integer >= 0"),
     (["logger=wandb", "logger.mode=bogus"], "logger.mode='bogus': use logger.mode=offline or online"),
 ]
@@ -173,6 +176,7 @@ ACCEPTED = [
     ["data.max_bytes=30000", "trainer.limit_val_batches=0"],  # no validation: no validation split needed
     ["optim=sgd", "optim.lr=1e-4", "optim.warmup_steps=0", "optim.min_lr_ratio=1"],
     ["trainer.max_steps=-1", "+trainer.max_epochs=2"],  # epoch-bounded training
+    ["checkpoint.on_signal=exit", "checkpoint.on_signal_grace_s=10", "ckpt_path=null", "checkpoint.async_save=true"],
 ]
 
 

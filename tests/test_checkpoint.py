@@ -26,7 +26,10 @@ def runs(tmp_path_factory):
     # a tied weight: one copy (pp=1, dp=2) and a copy per end stage (pp=2 loops=2, dp=1), saving at step 3
     w2 += [_cfg(1, 1, 1, "adamw", tied=True, save_every=3, save_dir=str(root / "tied-one-copy")),
            _cfg(2, 2, 2, "adamw", tied=True, save_every=3, save_dir=str(root / "tied-dp1"))]
+    # async_save: the same training, its checkpoints written in the background
+    w2 += [_cfg(2, 2, 2, "adamw", save_every=3, save_dir=str(root / "async"), async_save=True)]
     r2 = run_lightning(root / "w2", 2, w2)
+    out["async"] = r2[4]
     out["dp1"] = dict(zip(("sgd", "adamw"), r2[0:2]))
     out["tied-dp1"] = r2[3]
     ckpt.export(root / "dp1-sgd" / "step=6.ckpt", root / "exported.ckpt")  # a plain file, evaluated at dp=2 below
@@ -37,10 +40,12 @@ def runs(tmp_path_factory):
     w4 += [{"pp": 2, "loops": 2, "m": 2, "eval_ckpt": str(root / "exported.ckpt")}]
     w4 += [_cfg(2, 2, 2, "adamw", tied=True),
            _cfg(2, 2, 2, "adamw", tied=True, resume=str(root / "tied-one-copy" / "step=3.ckpt"))]
+    w4 += [_cfg(2, 2, 2, "adamw", resume=str(root / "async" / "step=3.ckpt"))]
     # (w4 must wait for w2's checkpoints, so it is a second launch)
     r4 = run_lightning(root / "w4", 4, w4)
     out["eval-exported"] = r4[8]
     out["tied-dp2"], out["tied-copies-from-one"] = r4[9], r4[10]
+    out["dp2-from-async"] = r4[11]
     out["dp2"] = dict(zip(("sgd", "adamw"), r4[0:2]))
     out["dp2-resumed"] = dict(zip(("sgd", "adamw"), r4[2:4]))
     out["pp4-from-dp1"] = dict(zip(("sgd", "adamw"), r4[4:6]))
@@ -88,6 +93,19 @@ def test_tied_weight_resumes_across_layouts(runs, resumed, original):
     if resumed == "tied-one-from-copies":  # one copy: the model lists the tied matrix once, as embed.weight
         want = [{**r, "params": {k: v for k, v in r["params"].items() if k != "unembed.weight"}} for r in want]
     _compare(runs[resumed], want, 1e-5)
+
+
+def test_background_saves_resume_exactly(runs):
+    """async_save=True trains as before, writes complete checkpoints (the last one waited for at the end of fit), and
+    the step-3 one resumes at dp=2 to the uninterrupted run."""
+    a, b = _params(runs["async"]), _params(runs["dp1"]["adamw"])
+    assert runs["async"][0]["losses"] == runs["dp1"]["adamw"][0]["losses"]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    for step in (3, 6):
+        folder = runs["root"] / "async" / f"step={step}.ckpt"
+        ckpt.check_path(folder)  # manifest, files and sizes
+        assert ckpt.read_meta(folder)["global_step"] == step
+    _compare(runs["dp2-from-async"], runs["dp1"]["adamw"], 1e-5)
 
 
 def test_export_loads_strict_and_gives_the_same_loss(runs, tmp_path):

@@ -321,3 +321,27 @@ def test_training_step_logs_that_will_not_run_are_named():
     [warning] = [w for w in not_run_as_written(Moved(n_blocks=2), 1) if "training_step" in w]
     assert "grad_scale" not in warning
     assert not [w for w in not_run_as_written(StackNet(n_blocks=2), 1) if "training_step" in w]
+
+
+def test_on_signal_settings_are_checked():
+    with pytest.raises(ValueError, match="on_signal='later': use 'save'"):
+        BFPPStrategy(on_signal="later")
+    with pytest.raises(ValueError, match="signal_grace_s=0 must be a positive number of seconds"):
+        BFPPStrategy(signal_grace_s=0)
+
+
+def test_signal_grace_follows_the_launcher(monkeypatch):
+    """What the launcher leaves before it kills: torchrun 30 s, SLURM's KillWait after SIGTERM; else 60 s."""
+    import signal
+
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from lightning_bfpp.job.preempt import default_grace_s
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert default_grace_s(signal.SIGTERM, LightningEnvironment(), None) == 60
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert default_grace_s(signal.SIGTERM, LightningEnvironment(), None) == 25
+    slurm = SLURMEnvironment()
+    assert default_grace_s(signal.SIGTERM, slurm, signal.SIGUSR1) == 25
+    assert default_grace_s(signal.SIGUSR1, slurm, signal.SIGUSR1) == 60

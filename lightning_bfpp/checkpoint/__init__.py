@@ -6,11 +6,12 @@ manifest (``manifest``); loading that never runs code from the files (``safety``
 May import: ``_private``.
 """
 
+from .background import BackgroundSaves
 from .export import export, main
 from .manifest import MANIFEST, META_FILE
 from .plain import optimizer_groups
 from .safety import TRUST_ENV, CheckpointError, UnsafeCheckpointError
 from .sharded import check_path, is_sharded, load, optimizer_state, read_meta, save
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "TRUST_ENV", "MANIFEST", "META_FILE", "check_path", "export",
+__all__ = ["BackgroundSaves", "CheckpointError", "UnsafeCheckpointError", "TRUST_ENV", "MANIFEST", "META_FILE", "check_path", "export",
            "is_sharded", "load", "main", "optimizer_groups", "optimizer_state", "read_meta", "save"]

@@ -47,14 +47,15 @@ def _mine(names: list[str], rank: int, world: int) -> list[str]:
     return out
 
 
-def hash_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """{name: {"bytes", "sha256"}} for every file in `names`, each rank hashing its share (collective)."""
+def hash_files(folder: Path, names: list[str], group: dist.ProcessGroup | None = None) -> dict[str, dict[str, Any]]:
+    """{name: {"bytes", "sha256"}} for every file in `names`, each rank hashing its share (collective over `group`,
+    the whole world: the default group, or a save's own)."""
     rank, world = _rank_world()
     local = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in _mine(names, rank, world)}
     if world == 1:
         return local
     parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, local)
+    dist.all_gather_object(parts, local, group=group)
     return {k: v for part in parts for k, v in part.items()}
 
 

@@ -3,6 +3,7 @@
 # runs code from the files (see .safety) and checks the checkpoint against the model.
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import uuid
@@ -35,6 +36,7 @@ from .manifest import (
     write_manifest,
 )
 from . import plain
+from .background import BackgroundSaves
 from .safety import TRUST_ENV, CheckpointError, SafePlanner, SafeReader, load_file, trusted
 
 # Optimizer state flattened to per-parameter keys ("state.blocks.3.fc.weight.exp_avg", "param_groups.
@@ -44,11 +46,6 @@ MODEL_OPTIONS = StateDictOptions()
 LIGHTNING_PATHS = ("last", "best", "hpc")  # resolved by Lightning itself, after launch
 SCHEDULER_SETTINGS = {"initial_lr"}  # what torch's LR schedulers add to param groups: kept quietly when not saved
 Shapes = dict[str, "tuple[int, ...] | None"]
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rank() -> int:
@@ -67,11 +64,12 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 
 # ---- save ------------------------------------------------------------------------------------
-def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+def save(path: Path, state: dict[str, Any], meta: dict[str, Any], background: BackgroundSaves | None = None) -> None:
     """Write `state` (tensors, sharded or not) with torch.distributed.checkpoint on all ranks, plus rank 0's
     `meta` and a manifest of every file's size and sha256 (hashing split over the ranks). The folder appears
     under `path` only once complete: an interrupted save leaves a hidden `.tmp-*` folder that is never taken
-    for a checkpoint, and is removed by a later successful save in the same directory."""
+    for a checkpoint, and is removed by a later successful save in the same directory. With `background`, the
+    state is copied to CPU memory here and everything else happens in a background thread (``background``)."""
     path = Path(path)
     token = [uuid.uuid4().hex if _rank() == 0 else None]
     if dist.is_initialized():
@@ -80,20 +78,33 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     # default_root_dir (hpc_ckpt_<N>.ckpt) from all its digits, the token's too
     hidden = f".{path.name.replace('_', '-')}.tmp-{token[0][:8]}"
     tmp = path.parent / hidden
-    dcp.save({**state, "rng": rng_state()}, checkpoint_id=tmp)
+    meta_bytes = io.BytesIO()
+    torch.save(meta, meta_bytes)  # as it is now (a background save writes it later)
+    state = {**state, "rng": rng_state()}
+    if background is None:
+        dcp.save(state, checkpoint_id=tmp)
+        _finish(path, tmp, meta_bytes.getvalue(), meta.get("global_step"), None)
+    else:
+        background.start(lambda group: dcp.async_save(state, checkpoint_id=tmp, process_group=group),
+                         lambda group: _finish(path, tmp, meta_bytes.getvalue(), meta.get("global_step"), group))
+
+
+def _finish(path: Path, tmp: Path, meta: bytes, global_step: int | None, group: dist.ProcessGroup | None) -> None:
+    """After the shards are written: rank 0's meta.pt, the manifest (hashing split over the ranks of `group`), then
+    the folder takes its name."""
     names: list[Any] = [None]
     if _rank() == 0:
-        torch.save(meta, tmp / META_FILE)
+        (tmp / META_FILE).write_bytes(meta)
         _warn_unsafe_meta(tmp / META_FILE)
         names = [sorted(p.name for p in tmp.iterdir() if p.is_file())]
     if dist.is_initialized():
-        dist.broadcast_object_list(names, src=0)
-    files = hash_files(tmp, names[0])
+        dist.broadcast_object_list(names, src=0, group=group)
+    files = hash_files(tmp, names[0], group)
     if _rank() == 0:
-        write_manifest(tmp, files, meta.get("global_step"))
+        write_manifest(tmp, files, global_step)
         # the old checkpoint steps aside (a rename) before the new one takes its name, and is deleted only then:
         # a kill at any moment leaves a complete checkpoint, never a half-deleted one
-        old = path.parent / f"{hidden}-replaced"
+        old = tmp.with_name(f"{tmp.name}-replaced")
         if path.exists():
             path.rename(old)
         tmp.rename(path)
@@ -103,7 +114,8 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
             old.unlink()
         for stale in remove_stale_tmp(path.parent):
             rank_zero_info(f"removed {stale}: an interrupted save's partial checkpoint")
-    _barrier()
+    if dist.is_initialized():
+        dist.barrier(group=group)
 
 
 def _warn_unsafe_meta(file: Path) -> None:

@@ -147,3 +147,29 @@ def test_interrupted_save_is_never_a_checkpoint(tmp_path, monkeypatch):
     assert [p.name.startswith(".step=3.ckpt.tmp-") for p in tmp_path.iterdir()] == [True]
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.load(target, StackNet(), [])
+
+
+def test_a_background_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """async_save: a complete background save, then one whose write dies half-way: the error comes out at the
+    next wait (the next save or the end of fit), and the folder under the name is still the previous, complete one."""
+    from concurrent.futures import Future
+
+    target, saves = tmp_path / "last.ckpt", ckpt.BackgroundSaves()
+    ckpt.save(target, {"state_dict": {"w": torch.ones(2)}}, {"global_step": 3}, background=saves)
+    saves.wait()
+    ckpt.check_path(target)
+
+    def dies(state, checkpoint_id, process_group=None):
+        checkpoint_id.mkdir(parents=True)
+        (checkpoint_id / "__0_0.distcp").write_bytes(b"partial")
+        failed = Future()
+        failed.set_exception(RuntimeError("killed mid-write"))
+        return failed
+
+    monkeypatch.setattr(dcp, "async_save", dies)
+    ckpt.save(target, {"state_dict": {"w": torch.zeros(2)}}, {"global_step": 6}, background=saves)
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        saves.close()
+    ckpt.check_path(target)
+    assert ckpt.read_meta(target)["global_step"] == 3
+    assert sorted(p.name.startswith(".last.ckpt.tmp-") for p in tmp_path.iterdir() if p != target) == [True]

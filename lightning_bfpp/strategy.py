@@ -362,11 +362,12 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         if trainer.training:
             check_training_loader(dataloader, self.plan)
             fit_loop = trainer.fit_loop
-            batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
-            # mid-epoch only: a checkpoint of an epoch's end (its last batch, on_train_epoch_end, or a finished epoch)
-            # resumes at the next epoch's start, as Lightning's restart stages say
-            if fit_loop.restarting and epochs.processed < epochs.ready and not batches.is_last_batch:
-                return skip_consumed_batches(dataloader, batches.current.processed)
+            if fit_loop.restarting:
+                batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
+                # mid-epoch only: a checkpoint of an epoch's end (its last batch, on_train_epoch_end, or a finished
+                # epoch) resumes at the next epoch's start, as Lightning's restart stages say
+                if epochs.processed < epochs.ready and not batches.is_last_batch:
+                    return skip_consumed_batches(dataloader, batches.current.processed)
         return dataloader
 
     # ---- steps ---------------------------------------------------------------------------------

@@ -184,6 +184,7 @@ def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
 
 
 # ---- several processes (Lightning's popen launcher, torchrun) ----
+@pytest.mark.slow
 def test_cli_default_config_on_four_processes(tmp_path):
     """`make train` at a few steps: cpu_4, breadth_first pp=2 x loops=2 -> dp=2."""
     run_cli(["logger=csv", *FAST, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
@@ -196,6 +197,7 @@ def test_cli_default_config_on_four_processes(tmp_path):
     assert not (tmp_path / "outputs").exists()  # children reused the parent's run dir
 
 
+@pytest.mark.slow
 def test_cli_multirun_sweeps_schedules_on_two_processes(tmp_path):
     """`-m` with the popen launcher: each job's children run that job only, in that job's dir; each job
     gets its own W&B run and a fresh process group. (Two jobs show it; every schedule's CLI run is in
@@ -217,6 +219,7 @@ def test_cli_multirun_sweeps_schedules_on_two_processes(tmp_path):
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.slow
 def test_cli_torchrun_shares_one_run_dir(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     run_cli(["cluster=cpu_2", "schedule=gpipe", "schedule.micro_batches=2", "data.batch_size=4", "logger=csv", *FAST],
@@ -285,6 +288,7 @@ def test_two_launches_name_different_run_dirs():
     assert len(names) == 2 and all(n.startswith("2026-01-01/00-00-00-") for n in names), names
 
 
+@pytest.mark.slow
 def test_cli_two_runs_started_at_once_get_their_own_directories(tmp_path):
     """Two launches at once with default output settings (cpu_2 under bfpp, cpu_1 plain Lightning) finish in
     their own directories with their own checkpoints; +trainer.* reaches the Trainer (max_epochs=1 x 2 batches

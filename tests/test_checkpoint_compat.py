@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 import lightning_bfpp.checkpoint as ckpt
@@ -31,6 +32,7 @@ def _train_losses(run_dir: Path) -> list[float]:
         return [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
 
 
+@pytest.mark.slow
 def test_checkpoint_written_before_the_move_resumes_exactly(tmp_path):
     folder = tmp_path / "step-2.ckpt"
     shutil.copytree(DATA / "step-2.ckpt", folder)  # resuming may tidy the folder's parent; keep the test data as is

@@ -244,6 +244,7 @@ def _app(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_resume_refuses_planted_files_and_bad_paths(tmp_path):
     run = tmp_path / "run"
     r = _app(["logger=csv", "checkpoint.every_n_steps=1", f"hydra.run.dir={run}"], tmp_path)
@@ -274,6 +275,7 @@ def test_cli_resume_refuses_planted_files_and_bad_paths(tmp_path):
     assert _snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_strategy_resume_refuses_planted_files(tmp_path):
     """BFPPStrategy in Python: Lightning's launcher refuses a planted meta.pt before starting rank 1; under
     torchrun (no launcher) every rank refuses a planted shard item while loading."""

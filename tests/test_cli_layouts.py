@@ -46,6 +46,7 @@ def _values(run_dir) -> tuple[float, ...]:
     return (s["train_loss"], s["val_loss"], *_last_eval(run_dir).values())
 
 
+@pytest.mark.slow
 def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
     """optim=sgd, same data and steps: plain Lightning (strategy=auto) and bfpp pp=1 (1 process), pp=2 x loops=2
     (2), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's own validation_step)."""
@@ -63,6 +64,7 @@ def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
         assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values, base)), losses
 
 
+@pytest.mark.slow
 def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path, one_process):
     """schedule.tensor_parallel=2 with pipeline_parallel=2 on 4 processes (dp 1): the GPT's blocks, embedding and head
     split by its pipeline_tp_plan give the single-process losses and torchmetrics values (optim=sgd)."""
@@ -73,6 +75,7 @@ def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path, one
     assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values["tp2"], values["cpu1"])), values
 
 
+@pytest.mark.slow
 def test_tied_embeddings_across_stages_match_one_process(tmp_path):
     """model.tie_weights=true: the embedding (first stage) and the output head (last stage, other pipeline rank)
     share one matrix; pp=2 x loops=2 trains it like the single-process model."""

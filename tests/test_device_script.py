@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from procenv import clean_env
 from test_app import ROOT
 
 
+@pytest.mark.slow
 def test_device_script_dry_run_writes_every_part(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from device import BUDGET_S, DRY_BUDGET_S

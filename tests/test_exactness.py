@@ -232,6 +232,7 @@ def test_torchrun_launch(tmp_path):
     _check_against_reference(ranks, cfg, 2)
 
 
+@pytest.mark.slow
 def test_slurm_launch(tmp_path):
     cfg = {"pp": 2, "loops": 1, "m": 2}
     ranks = run_slurm(tmp_path, 2, [cfg])[0]

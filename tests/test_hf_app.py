@@ -20,7 +20,7 @@ CHEAP = ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "s
 
 @pytest.mark.parametrize("model, extra", [
     ("hf_llama_tiny", ["trainer.precision=bf16-mixed", "model.activation_checkpointing=true"]),  # strategy's AC
-    ("hf_gpt2_tiny", []),  # fp32, tied embeddings
+    pytest.param("hf_gpt2_tiny", [], marks=pytest.mark.slow),  # fp32, tied embeddings
 ])
 def test_hf_model_trains_from_the_command_line(tmp_path, model, extra):
     run_cli([f"model={model}", *CHEAP, *extra, f"hydra.run.dir={tmp_path}"], cwd=tmp_path)

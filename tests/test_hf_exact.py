@@ -83,7 +83,8 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("devices, index", [(d, i) for d in (2, 4) for i in range(len(RUNS[d]))],
+@pytest.mark.parametrize("devices, index", [(d, i) if d == 4 else pytest.param(d, i, marks=pytest.mark.slow)
+                                            for d in (2, 4) for i in range(len(RUNS[d]))],
                          ids=[f"dp{d // 2}-" + "-".join(f"{v}" for v in c.values()) for d in (2, 4) for c in RUNS[d]])
 def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     cfg = RUNS[devices][index]

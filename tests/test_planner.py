@@ -62,7 +62,7 @@ def _fixed_best(model, cluster, batch, name):
     return best
 
 
-@pytest.mark.parametrize("nodes", [8, 64])
+@pytest.mark.parametrize("nodes", [8, pytest.param(64, marks=pytest.mark.slow)])
 def test_pick_never_worse_than_fixed_schedule(nodes):
     """At every batch per GPU, 64 and 512 GPUs: the planner's pick >= each fixed schedule's best layout found by
     an independent enumeration (the planner prunes families, lower-bounds memory and skips twins: none of

@@ -39,7 +39,7 @@ def resumed_equals_reference(work: Path, step: int, result: list[list[dict]]) ->
     assert max((params[k] - want[k]).abs().max().item() for k in want) <= 1e-6
 
 
-@pytest.mark.parametrize("resume", ["hpc", "last"])
+@pytest.mark.parametrize("resume", ["hpc", pytest.param("last", marks=pytest.mark.slow)])
 def test_sigterm_saves_at_a_step_boundary_and_the_restart_resumes_exactly(tmp_path, resume):
     """SIGTERM to Lightning's launching process with no periodic checkpoint. Without a ModelCheckpoint the save is
     Lightning's HPC checkpoint in default_root_dir (ckpt_path="hpc"); with one (here every 1000 steps: none before
@@ -60,6 +60,7 @@ def test_sigterm_saves_at_a_step_boundary_and_the_restart_resumes_exactly(tmp_pa
     resumed_equals_reference(tmp_path, step, run_lightning(tmp_path / "again", WORLD, [cfg]))
 
 
+@pytest.mark.slow
 def test_slurm_requeue_signal_saves_and_the_requeued_job_resumes_by_itself(tmp_path):
     """SLURM's requeue signal to every task: each saves at the same step (Lightning's hpc_ckpt_1.ckpt in the job's
     default_root_dir), exits 138, rank 0 requeues the job; the requeued job (the same command, no ckpt_path) resumes
@@ -74,6 +75,7 @@ def test_slurm_requeue_signal_saves_and_the_requeued_job_resumes_by_itself(tmp_p
     resumed_equals_reference(tmp_path, step, run_slurm(tmp_path / "again", WORLD, [cfg]))
 
 
+@pytest.mark.slow
 def test_a_save_longer_than_its_grace_is_abandoned(tmp_path):
     """A 1 s grace against 2 s steps: the job exits with the signal's code, saying the save did not finish; the
     half-written save stays a hidden folder and the checkpoints before it are intact."""
@@ -86,6 +88,7 @@ def test_a_save_longer_than_its_grace_is_abandoned(tmp_path):
         equals_reference(folder, tmp_path)
 
 
+@pytest.mark.slow
 def test_on_signal_exit_stops_at_once_without_saving(tmp_path):
     stopped = signal_job(tmp_path, "lightning", "child", signal.SIGTERM, save_every=0, on_signal="exit",
                          root=str(tmp_path / "root"))
@@ -137,6 +140,7 @@ def test_app_resumes_by_itself_after_sigterm(tmp_path):
     assert abs(a["val_loss"] - b["val_loss"]) <= 1e-5 * a["val_loss"], (a, b)
 
 
+@pytest.mark.slow
 def test_app_resumes_on_another_world_size_with_layout_auto(tmp_path):
     """Elastic: a run on 2 processes stops at step 4; the same run directory restarted on 1 process with
     schedule.layout=auto picks its own layout, resumes by itself (ckpt_path=auto), and ends where an uninterrupted

@@ -133,7 +133,11 @@ CASES = [("lightning", "launcher", signal.SIGTERM), ("lightning", "child", signa
          ("torchrun", "launcher", signal.SIGINT), ("torchrun", "child", signal.SIGINT)]
 
 
-@pytest.mark.parametrize("launcher,target,signum", CASES, ids=[f"{l}-{t}-{s.name}" for l, t, s in CASES])
+FAST = {("lightning", "child", signal.SIGTERM), ("torchrun", "launcher", signal.SIGINT)}
+
+
+@pytest.mark.parametrize("launcher,target,signum", [c if c in FAST else pytest.param(*c, marks=pytest.mark.slow)
+                                                    for c in CASES], ids=[f"{l}-{t}-{s.name}" for l, t, s in CASES])
 def test_signal_stops_every_process(tmp_path, launcher, target, signum):
     stopped = signal_job(tmp_path, launcher, target, signum)
     assert stopped.gone_s < BUDGET_S, (stopped.gone_s, stopped.output[-4000:])
@@ -153,6 +157,7 @@ def test_signal_stops_every_process(tmp_path, launcher, target, signum):
     newest_checkpoint_is_complete(stopped.save_dir, tmp_path)
 
 
+@pytest.mark.slow
 def test_killed_child_gives_the_failure_code(tmp_path):
     """A child's failure (here SIGKILL) ends the job with 1 on the launching process, not with Lightning's 137."""
     stopped = signal_job(tmp_path, "lightning", "child", signal.SIGKILL)

@@ -47,7 +47,7 @@ def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope="module", params=["sgd", "adamw_groups"])
+@pytest.fixture(scope="module", params=[pytest.param("sgd", marks=pytest.mark.slow), "adamw_groups"])
 def moves(request, tmp_path_factory):
     opt, root = request.param, tmp_path_factory.mktemp(f"moves-{request.param}")
     fit_auto(opt, EPOCH, save=root / "auto.ckpt")

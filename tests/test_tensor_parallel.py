@@ -120,7 +120,8 @@ TRAINED = [(4, n) for n, c in WORLD4.items() if c.get("opt") != "adamw" and "pre
 TRAINED += [(8, n) for n in WORLD8]
 
 
-@pytest.mark.parametrize("devices,name", TRAINED, ids=[f"w{d}-{n}" for d, n in TRAINED])
+@pytest.mark.parametrize("devices,name", [(d, n) if d == 4 else pytest.param(d, n, marks=pytest.mark.slow) for d, n in TRAINED],
+                         ids=[f"w{d}-{n}" for d, n in TRAINED])
 def test_matches_one_process(runs, devices, name):
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     ranks = runs(devices)[name]
@@ -162,6 +163,7 @@ def test_export_of_a_tensor_parallel_checkpoint_is_one_plain_file(runs, tmp_path
     model.load_state_dict(torch.load(out, weights_only=True)["state_dict"], strict=True)
 
 
+@pytest.mark.slow
 def test_bytes_per_rank_are_one_over_pp_dp_tp(runs):
     """P5: parameter + gradient + optimizer bytes per rank within 5% of the whole model's / (pp * dp * tp)
     (pp2 x loops2 x dp2 x tp2, SGD with momentum; stages balanced: embedding+block, block, block, block+head)."""

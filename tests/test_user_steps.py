@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,26 +34,42 @@ SYNCED = {"val_acc", "val_loss", "val_seen", "val_max_logit", "test_acc", "test_
           "train_acc_epoch", "lr-SGD", "val_samples", "val_auroc"}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("user")
-    for w, cfgs in LAUNCHES.items():  # one launch at a time: 15 processes at once crawl on 2 cores
-        p = subprocess.run([sys.executable, str(SCRIPT), str(out / f"w{w}"), str(w), json.dumps(cfgs)],
+class Launches(dict):
+    """(world, config index) -> every rank's record; each world size is launched when a test first asks for it
+    (one launch at a time: 15 processes at once crawl on 2 cores), so `make test` launches only its world sizes."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.out = out
+
+    def __missing__(self, key: tuple[int, int]) -> list[dict]:
+        w = key[0]
+        p = subprocess.run([sys.executable, str(SCRIPT), str(self.out / f"w{w}"), str(w), json.dumps(LAUNCHES[w])],
                            env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-5000:]
-    return {(w, i): [torch.load(out / f"w{w}" / f"cfg{i}" / f"rank{r}.pt", weights_only=False) for r in range(w)]
-            for w, cfgs in LAUNCHES.items() for i in range(len(cfgs))}
+        for i in range(len(LAUNCHES[w])):
+            self[(w, i)] = [torch.load(self.out / f"w{w}" / f"cfg{i}" / f"rank{r}.pt", weights_only=False)
+                            for r in range(w)]
+        return self[key]
 
 
-LAYOUTS = [(w, i, c) for w, cfgs in LAUNCHES.items() if w > 1 for i, c in enumerate(cfgs)]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("user"))
+
+
+# 2 processes in `make test`; the 4- and 8-process launches in the slow set
+LAYOUTS = [(w, i, c) if w == 2 else pytest.param(w, i, c, marks=pytest.mark.slow)
+           for w, cfgs in LAUNCHES.items() if w > 1 for i, c in enumerate(cfgs)]
+IDS = [f"pp{c['pp']}-l{c['loops']}-dp{w // c['pp']}" for w, cfgs in LAUNCHES.items() if w > 1 for c in cfgs]
 
 
 def _close(got: dict[str, float], want: dict[str, float], keys) -> list:
     return [(k, got.get(k), want.get(k)) for k in keys if k not in got or k not in want or abs(got[k] - want[k]) > TOL]
 
 
-@pytest.mark.parametrize("world,index,cfg", LAYOUTS, ids=[f"pp{c['pp']}-l{c['loops']}-dp{w // c['pp']}" for w, _, c in LAYOUTS])
+@pytest.mark.parametrize("world,index,cfg", LAYOUTS, ids=IDS)
 def test_user_metrics_callbacks_and_predictions_equal_auto(runs, world, index, cfg):
     dp = world // cfg["pp"]
     ref = runs[(1, dp - 1)][0]
@@ -79,6 +96,7 @@ def test_user_metrics_callbacks_and_predictions_equal_auto(runs, world, index, c
             assert (row[k] == want[k]) or (row[k] and want[k] and abs(float(row[k]) - float(want[k])) <= TOL), (k, row, want)
 
 
+@pytest.mark.slow
 def test_replicas_pipeline_ranks_agree_on_local_values(runs):
     """Values not synced over data parallel are the replica's own, the same on each of its pipeline ranks."""
     ranks = runs[(4, 3)]  # pp=2, dp=2

@@ -50,3 +50,38 @@ def test_ranks_saying_why_at_once_never_share_a_line():
     whole = re.compile(r"\[rank \d\] bfpp: the job stops because rank 0 got SIGINT")
     assert len(lines) == 12000, len(lines)
     assert all(whole.fullmatch(line) for line in lines), [line for line in lines if not whole.fullmatch(line)][:3]
+
+
+EXIT_AFTER_STOP = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from lightning_bfpp.job.watchdog import Watchdog
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+def slow_publish(self, store) -> None:  # a store call that takes 0.3 s, as one can on a loaded machine
+    try:
+        store.wait(["bfpp/never"], timedelta(seconds=0.3))
+    except Exception:
+        pass
+Watchdog._publish_step = slow_publish
+watchdog = Watchdog(0, 1, interval=0.0)
+watchdog.start()
+time.sleep(0.5)
+if sys.argv[1] == "without-join":
+    watchdog._join = lambda: None
+watchdog.stop(finished=True)
+"""
+
+
+def test_a_stopped_watchdog_lets_the_process_exit_cleanly():
+    """The abort at exit (issue 36, `terminate called without an active exception` after `Trainer.fit stopped`): a
+    daemon thread that returns from a store call while the interpreter shuts down is ended by a forced unwind, which
+    C++ turns into SIGABRT. `stop` waits for the watching thread; without that wait the same script aborts."""
+    def run(mode: str) -> list[tuple[int, bool]]:
+        procs = [subprocess.run([sys.executable, "-c", EXIT_AFTER_STOP, mode], capture_output=True, text=True,
+                                timeout=60) for _ in range(3)]
+        return [(p.returncode, "terminate called" in p.stderr) for p in procs]
+
+    assert run("with-join") == [(0, False)] * 3
+    assert any(code != 0 or said for code, said in run("without-join"))  # the test can fail

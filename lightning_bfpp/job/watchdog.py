@@ -182,6 +182,19 @@ class Watchdog:
                 self._store.set(self._key("done", self.rank), "1")
             except Exception:  # the store's host may already be gone at the very end; nothing waits on this
                 pass
+        self._join()
+
+    def _join(self) -> None:
+        """Wait for the watching thread to leave its loop. A daemon thread that returns from a store call while
+        the interpreter shuts down is ended by a forced unwind, which C++ turns into `terminate called without an
+        active exception` (SIGABRT): a job that trained would exit as failed."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=self.interval + self.grace)
+        if thread.is_alive():
+            _say(self.rank, f"the watchdog thread did not stop within {self.interval + self.grace:.0f} s (a store "
+                            "call still running); the process may abort at exit")
 
     def report(self, error: BaseException) -> str:
         """Say (and post, unless a peer failed first) why the job stops; returns that message. A communication

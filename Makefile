@@ -19,12 +19,13 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python examples/train.py $(ARGS)
 
-# JOBS test processes (pytest-xdist), one test file each at a time so module fixtures run once; JOBS=0: serial.
+# JOBS test processes (pytest-xdist), one test file each at a time so module fixtures run once, the longest files
+# first (tests/conftest.py); JOBS=0: serial.
 # SLOW=1 adds the tests marked slow (the wider matrix of launchers, signals, ranks and layouts), as CI does.
 JOBS ?= 2
 SLOW ?= 0
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile) $(if $(filter 1,$(SLOW)),,-m "not slow") $(ARGS)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder) $(if $(filter 1,$(SLOW)),,-m "not slow") $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)

@@ -231,6 +231,7 @@ def test_cli_torchrun_shares_one_run_dir(tmp_path):
     assert_logs_not_empty(run_dir)
 
 
+@pytest.mark.slow
 def test_cli_slurm_tasks_share_one_run_dir(tmp_path):
     """What `srun` does: start every task itself with SLURM_* set (here two local tasks, no srun)."""
     slurm = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242",

@@ -92,6 +92,7 @@ def test_tied_embeddings_across_stages_match_one_process(tmp_path):
     assert abs(train2 - train1) <= 1e-5 * train1 and abs(val2 - val1) <= 1e-5 * val1, losses
 
 
+@pytest.mark.slow
 def test_cli_checkpoint_resume_and_export(tmp_path):
     layout = ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=2",
               "trainer.max_steps=4", "trainer.val_check_interval=4"]

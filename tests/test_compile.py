@@ -19,6 +19,7 @@ def runs(tmp_path_factory):
                          [LAYOUT, {**LAYOUT, "compile": True}, {**LAYOUT, "compile": True, "ac": True}], timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [1, 2], ids=["compiled", "compiled+activation_checkpointing"])
 def test_compiled_layers_train_as_eager(runs, index):
     eager, compiled = runs[0][0], runs[index][0]
@@ -28,6 +29,7 @@ def test_compiled_layers_train_as_eager(runs, index):
     assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [1, 2], ids=["compiled", "compiled+activation_checkpointing"])
 def test_no_layer_is_compiled_again_after_step_2(runs, index):
     for rank in runs[index]:

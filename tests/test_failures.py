@@ -74,6 +74,7 @@ def test_failing_rank_stops_every_process(tmp_path, fail_rank):
     assert f"[rank {fail_rank}] bfpp: the job stops because rank {fail_rank} failed: RuntimeError" in str(failure.value)
 
 
+@pytest.mark.slow
 def test_stuck_rank_ends_the_job_by_the_timeout(tmp_path):
     """A rank that is alive but stuck: the others' waits time out (timeout=10 s), and the stuck one is stopped too."""
     pids = tmp_path / "pids"
@@ -135,6 +136,7 @@ def test_ranks_of_a_replica_with_different_batches_stop_the_job(tmp_path, step):
                           r"batch differs", output)) == {"0", "1"}
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
     nan_step = 3
     cfg = {"pp": 2, "loops": 2, "m": 2, "steps": 6, "nan_batch": nan_step, "pid_dir": str(tmp_path),

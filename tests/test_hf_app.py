@@ -57,6 +57,7 @@ def saved_llama(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_a_saved_model_fine_tunes_from_the_command_line(tmp_path, saved_llama):
     """model=hf_pretrained model.path=DIR: its shape comes from DIR/config.json; each rank reads its stages."""
     run_cli(["model=hf_pretrained", f"model.path={saved_llama}", "model.block_size=32", *CHEAP,

@@ -39,7 +39,8 @@ def resumed_equals_reference(work: Path, step: int, result: list[list[dict]]) ->
     assert max((params[k] - want[k]).abs().max().item() for k in want) <= 1e-6
 
 
-@pytest.mark.parametrize("resume", ["hpc", pytest.param("last", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", ["hpc", "last"])
 def test_sigterm_saves_at_a_step_boundary_and_the_restart_resumes_exactly(tmp_path, resume):
     """SIGTERM to Lightning's launching process with no periodic checkpoint. Without a ModelCheckpoint the save is
     Lightning's HPC checkpoint in default_root_dir (ckpt_path="hpc"); with one (here every 1000 steps: none before

@@ -39,8 +39,7 @@ def resumed_equals_reference(work: Path, step: int, result: list[list[dict]]) ->
     assert max((params[k] - want[k]).abs().max().item() for k in want) <= 1e-6
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("resume", ["hpc", "last"])
+@pytest.mark.parametrize("resume", ["hpc", pytest.param("last", marks=pytest.mark.slow)])
 def test_sigterm_saves_at_a_step_boundary_and_the_restart_resumes_exactly(tmp_path, resume):
     """SIGTERM to Lightning's launching process with no periodic checkpoint. Without a ModelCheckpoint the save is
     Lightning's HPC checkpoint in default_root_dir (ckpt_path="hpc"); with one (here every 1000 steps: none before
@@ -98,6 +97,7 @@ def test_on_signal_exit_stops_at_once_without_saving(tmp_path):
     assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
 
 
+@pytest.mark.slow
 def test_app_resumes_by_itself_after_sigterm(tmp_path):
     """The app, as a user runs it: SIGTERM in the middle of a run with no periodic checkpoint, then the same command
     again (ckpt_path=auto, the default): it resumes from <run dir>/checkpoints/last.ckpt, saved at the signal, and

@@ -65,6 +65,10 @@ def slow_publish(self, store) -> None:  # a store call that takes 0.3 s, as one 
     except Exception:
         pass
 Watchdog._publish_step = slow_publish
+class SlowExit:  # the interpreter's shutdown takes a second (as on a loaded machine): the store call returns within it
+    def __del__(self):
+        time.sleep(1.0)
+slow_exit = SlowExit()
 watchdog = Watchdog(0, 1, interval=0.0)
 watchdog.start()
 time.sleep(0.5)
@@ -78,10 +82,10 @@ def test_a_stopped_watchdog_lets_the_process_exit_cleanly():
     """The abort at exit (issue 36, `terminate called without an active exception` after `Trainer.fit stopped`): a
     daemon thread that returns from a store call while the interpreter shuts down is ended by a forced unwind, which
     C++ turns into SIGABRT. `stop` waits for the watching thread; without that wait the same script aborts."""
-    def run(mode: str) -> list[tuple[int, bool]]:
+    def run(mode: str, times: int) -> list[tuple[int, bool]]:
         procs = [subprocess.run([sys.executable, "-c", EXIT_AFTER_STOP, mode], capture_output=True, text=True,
-                                timeout=60) for _ in range(3)]
+                                timeout=60) for _ in range(times)]
         return [(p.returncode, "terminate called" in p.stderr) for p in procs]
 
-    assert run("with-join") == [(0, False)] * 3
-    assert any(code != 0 or said for code, said in run("without-join"))  # the test can fail
+    assert run("with-join", 3) == [(0, False)] * 3
+    assert run("without-join", 1) == [(-6, True)]  # the test can fail

@@ -129,6 +129,7 @@ def test_cli_plain_lightning_writes_summary_and_csv(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # saved at the end by default
 
 
+@pytest.mark.slow
 def test_cli_trains_for_epochs_and_validates_the_final_model(tmp_path):
     """trainer.max_steps=-1 with +trainer.max_epochs: the LR schedule spans Lightning's estimated steps and the
     summary's val_loss is the final model's (validated after the last batch of the last epoch)."""

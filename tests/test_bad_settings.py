@@ -93,8 +93,7 @@ TORCHRUN_ROW = ("torchrun_stage_layers_wrong_sum", ["cluster=cpu_2", "schedule.s
 
 
 # `make test` runs these rows (one per kind of check); the others, and torchrun's, are in the slow set
-FAST = {"world_not_divisible_by_pp", "batch_not_divisible", "unknown_schedule", "stage_layers_wrong_sum",
-        "negative_lr"}
+FAST = {"world_not_divisible_by_pp", "stage_layers_wrong_sum", "negative_lr"}
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ def _wait_for_pids(pid_dir: Path, proc, timeout: float = 120) -> dict[int, int]:
     raise AssertionError("the ranks did not start training in time")
 
 
-@pytest.mark.parametrize("victim", [2, pytest.param(0, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [2, 0])
 def test_killed_rank_takes_the_job_down(tmp_path, victim):
     """SIGKILL one rank mid-training (rank 0 is Lightning's launching process, its children become orphans)."""
     pid_dir = tmp_path / "pids"

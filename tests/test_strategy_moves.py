@@ -73,6 +73,7 @@ def test_exported_full_checkpoint_resumes_under_auto(moves, tmp_path):
     assert gap(fit_auto(moves["opt"], EPOCH + MORE, ckpt_path=out), moves["auto"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_plain_optimizer_of_other_groups_is_refused(tmp_path):
     """A plain checkpoint whose optimizer has other param groups than this model's: the error names both, and the fix."""
     bad = tmp_path / "groups.ckpt"

@@ -2,11 +2,13 @@
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama|qwen2|gemma3: Gemma 3 mixes sliding-window and full attention layers, each with its
-own rotary cos/sin, scales its embedding and soft-caps its logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), pp, loops, m,
+Config keys: family (gpt2|llama|qwen2|mistral|gemma3: Mistral's layers attend within a sliding window; Gemma 3 mixes
+sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding and soft-caps its
+logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), pp, loops, m,
 steps, batch (global), precision, ac (activation_checkpointing), save (checkpoint folder written after fit),
 pretrained (a save_pretrained directory: CausalLM.from_pretrained, built on the meta device).
-Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...]}.
+Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
+[names of the parameters split over tensor-parallel ranks]}.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import exact_model
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.hf import CausalLM
+from lightning_bfpp.layout.tensor_parallel import tp_sharded
 
 VOCAB, SEQ, WIDTH, SAMPLES, LR = 64, 16, 32, 64, 0.5
 
 
-def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int = 0):
-    """A tiny random-init model, built locally (2 layers, width 32, vocab 64, no dropout)."""
+def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int = 0, kv_heads: int = 1):
+    """A tiny random-init model, built locally (2 layers, width 32, 2 query heads, vocab 64, no dropout)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -43,13 +46,18 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                                             final_logit_softcapping=5.0, tie_word_embeddings=True if tie is None else tie,
                                             attn_implementation=attn)
         return transformers.Gemma3ForCausalLM(cfg)
+    if family == "mistral":  # sliding-window attention in every layer
+        cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
+                                         num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                         sliding_window=SEQ // 4, tie_word_embeddings=bool(tie), attn_implementation=attn)
+        return transformers.MistralForCausalLM(cfg)
     if family == "qwen2":  # ties its embeddings
         cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
-                                       num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                       num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
                                        tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
         return transformers.Qwen2ForCausalLM(cfg)
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                   num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
                                    tie_word_embeddings=False if tie is None else tie, attn_implementation=attn)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -80,20 +88,23 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     if cfg.get("pretrained"):  # a saved model, built on the meta device; each rank reads its own stages' tensors
         model = CausalLM.from_pretrained(cfg["pretrained"], optimizer=sgd, attn_implementation=cfg.get("attn", "sdpa"))
     else:
-        model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa")), optimizer=sgd)
+        model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa"), kv_heads=cfg.get("kv_heads", 1)),
+                         optimizer=sgd)
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2), micro_batches=cfg.get("m", 2),
-                            activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120))
+                            tensor_parallel=cfg.get("tp", 1), activation_checkpointing=cfg.get("ac", False),
+                            timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
                       precision=cfg.get("precision", "32-true"), logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
-    per_replica = cfg.get("batch", 8) // (devices // cfg.get("pp", 2))
+    per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1)))
     trainer.fit(model, DataLoader(dataset(), batch_size=per_replica, drop_last=True))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"params": params, "losses": record.losses}, out / f"rank{trainer.global_rank}.pt")
+    split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
+    torch.save({"params": params, "losses": record.losses, "tp_split": split}, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": T
 # saved with save_pretrained (Llama in several shards, Qwen2 tied), loaded with CausalLM.from_pretrained per stage
 PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True}]
 RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED], 4: [*CONFIGS, *PRETRAINED]}  # devices 2: dp 1; 4: dp 2
+# tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
+# heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window
+TP_RUNS = [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
+           {"family": "mistral", "tp": 2, "kv_heads": 2}]
 # sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow (README tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
 BF16_REL = 0.02
@@ -40,10 +44,11 @@ def saved_model(out, family: str):
     return path
 
 
-def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa", pretrained=None):
+def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa", pretrained=None,
+              kv_heads: int = 1):
     """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained), its own forward, the same
     cross-entropy, SGD on Lightning's data order."""
-    model = hf_model(family, tie, attn)
+    model = hf_model(family, tie, attn, kv_heads=kv_heads)
     if pretrained is not None:
         model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -126,3 +131,45 @@ def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
     again = type(model).from_pretrained(tmp_path / "hf")
     for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_tp")
+    configs = [dict(c) for c in TP_RUNS]
+    configs[0]["save"] = str(out / "ckpt")
+    cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), "4", json.dumps(configs)]
+    res = subprocess.run(cmd, env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT, capture_output=True, text=True,
+                         timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return out, [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(4)] for i in range(len(configs))]
+
+
+@pytest.mark.parametrize("index", range(len(TP_RUNS)), ids=[c["family"] for c in TP_RUNS])
+def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, index):
+    cfg = TP_RUNS[index]
+    model, losses = reference(cfg["family"], 1, kv_heads=cfg["kv_heads"])
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    got = {}
+    for rank in tp_runs[1][index]:
+        got.update(rank["params"])
+    assert set(got) == set(model.state_dict())  # the HF model's own names
+    worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
+    assert worst <= TOL, f"max |bfpp tp=2 - one process| = {worst:.3g}"
+    assert tp_runs[1][index][-1]["losses"] == pytest.approx(losses, abs=1e-5)
+    # what was split: attention and MLP projections, and the embedding and head unless tied
+    split = {n for rank in tp_runs[1][index] for n in rank["tp_split"]}
+    want = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
+            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    want |= set() if model.config.tie_word_embeddings else {"model.embed_tokens.weight", "lm_head.weight"}
+    assert {n for n in split if n.endswith("weight")} == want, sorted(split)
+
+
+def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp_path):
+    out, _ = tp_runs
+    checkpoint_cli([str(out / "ckpt"), str(tmp_path / "llama.pt")])
+    model = hf_model("llama", seed=1, kv_heads=2)
+    model.load_state_dict(torch.load(tmp_path / "llama.pt", weights_only=True)["state_dict"], strict=True)
+    trained, _ = reference("llama", 1, kv_heads=2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)

@@ -133,3 +133,43 @@ def test_predict_step_takes_input_ids_alone_or_pairs():
         expected = model(ids).logits
         for batch in (ids, (ids,), (ids, ids.roll(-1, 1))):
             torch.testing.assert_close(lm.predict_step(batch, 0), expected, rtol=0, atol=0)
+
+
+# ---- tensor parallel by the model's own plan (in-process: the plans and their checks, no processes) ----
+def _plans(model, tensor_parallel: int = 2) -> dict[str, dict[str, str]]:
+    from lightning_bfpp.layout.tensor_parallel import layer_plans
+
+    lm = CausalLM(model)
+    return {name: {k: type(v).__name__ for k, v in plan.items()}
+            for name, _, plan in layer_plans(lm, lm.pipeline_layers(), tensor_parallel).values()}
+
+
+def test_the_models_own_tensor_parallel_plan_becomes_torch_styles():
+    plans = _plans(build("llama", num_key_value_heads=2))
+    assert plans["model.embed_tokens"] == {"": "RowwiseParallel"}  # embedding_rowwise: vocabulary rows
+    assert plans["model.layers.0"] == {"self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
+                                       "self_attn.v_proj": "ColwiseParallel", "self_attn.o_proj": "RowwiseParallel",
+                                       "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel",
+                                       "mlp.down_proj": "RowwiseParallel"}
+    (head,) = [plan for name, plan in plans.items() if "OutputHead" in name]
+    assert head == {"lm_head": "ColwiseParallel"}  # colwise_gather_output
+    # tied embeddings stay whole; layers wrapped for mixed attention types keep their plan under the wrapper
+    tied = _plans(build("qwen2", num_key_value_heads=2, tie_word_embeddings=True))
+    assert "model.embed_tokens" not in tied and not [name for name in tied if "OutputHead" in name]
+    mixed = _plans(build("ministral", num_key_value_heads=2))
+    typed = [plan for name, plan in mixed.items() if "TypedDecoderLayer" in name]
+    assert len(typed) == 3 and all(plan["layer.self_attn.q_proj"] == "ColwiseParallel" for plan in typed)
+
+
+@pytest.mark.parametrize("model_type, overrides, message", [
+    ("llama", {}, r"tensor_parallel=2 must divide LlamaForCausalLM's num_attention_heads=2 and num_key_value_heads=1 "
+                  r"\(each tensor-parallel rank computes whole query and key/value heads\); use tensor_parallel in \[1\]"),
+    ("gpt2", {}, r"GPT2LMHeadModel has no tensor-parallel plan .* subclass CausalLM and return each layer's plan"),
+    ("gemma3_text", {"num_key_value_heads": 2}, r"splits model.layers.0.self_attn.q_norm as 'replicated_with_grad_allreduce', "
+                                                r"which lightning_bfpp cannot translate"),
+])
+def test_a_plan_that_cannot_run_is_refused_naming_the_rule(model_type, overrides, message):
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)) \
+        if model_type == "gpt2" else build(model_type, **overrides)
+    with pytest.raises(ValueError, match=message):
+        _plans(model)

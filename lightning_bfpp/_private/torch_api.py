@@ -33,12 +33,17 @@ def set_default_group_timeout(timeout) -> None:
 
 
 def dtensor_local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part read as a plain attribute (``_local_tensor``), else `t`. Why private: this runs inside
-    saved-tensor hooks, where the public ``DTensor.to_local()`` would record an autograd op (and run the hooks
-    again). Public alternative checked: ``to_local()`` (used everywhere outside autograd hooks)."""
+    """The plain tensor holding `t`'s data: a DTensor's local part (``_local_tensor``), the result an
+    ``AsyncCollectiveTensor`` wraps (``elem``: a tensor-parallel layer's output whose all-reduce is in flight, e.g. a
+    row-wise split embedding's), else `t`. Why private: this runs inside saved-tensor hooks, where the public
+    ``DTensor.to_local()`` would record an autograd op (and run the hooks again), and waiting for the collective
+    would end its overlap. Public alternative checked: ``to_local()`` (used everywhere outside autograd hooks)."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
-    return t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def checkpoint_metadata_globals() -> dict[tuple[str, str], Any]:

@@ -25,6 +25,7 @@ from torch import nn
 from ..contract.hooks import PipelineHooks
 from ..layout.materialize import has_meta_tensors, seeded_init
 from .pretrained import HUB_KWARGS, SafetensorsWeights, build_on_meta, local_directory, stored_names
+from .tensor_parallel import hf_layer_plan
 
 # attention kernels that are causal (and windowed, from the layer's own `sliding_window`) without a mask
 MASK_FREE = ("flash_attention_2", "flash_attention_3")
@@ -348,6 +349,12 @@ class CausalLM(PipelineHooks, LightningModule):
 
     def pipeline_side_inputs(self, input_ids: torch.Tensor) -> dict[str, Any]:
         return causal_lm_side_inputs(self.hf_model, input_ids)
+
+    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int) -> dict[str, Any] | None:
+        """The model's own tensor-parallel plan (``base_model_tp_plan`` and ``lm_head``), translated to torch's
+        styles: attention by heads (tp must divide the query and key/value heads), MLP by hidden units, untied
+        embedding and head by vocabulary. Override it to split a model otherwise."""
+        return hf_layer_plan(self.hf_model, layer, tensor_parallel)
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

@@ -32,7 +32,7 @@ def _split_dim(module: nn.Module, style) -> int | None:
 
 def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: int) -> Plans:
     """Every layer's plan from ``root.pipeline_tp_plan(layer_name, layer, tensor_parallel)``, checked: each key
-    names (or matches, with ``*``) a submodule, each value is a torch ParallelStyle, split dimensions divide by
+    names (or matches, with ``*``) a submodule, or is "" for the layer itself, each value is a torch ParallelStyle, split dimensions divide by
     tp, and no split parameter is shared (tied) with another module. Raises naming the layer and the rule."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -62,7 +62,7 @@ def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: i
             if not isinstance(style, ParallelStyle):
                 raise TypeError(f"{where} is a {type(style).__name__}; use a torch.distributed.tensor.parallel "
                                 "ParallelStyle (ColwiseParallel(), RowwiseParallel(), ...).")
-            matched = [(n, m) for n, m in subs.items() if n and (n == key or fnmatch(n, key))]
+            matched = [(n, m) for n, m in subs.items() if n == key or (n and fnmatch(n, key))]  # "": the layer
             if not matched:
                 raise ValueError(f"{where}: {name} has no submodule {key!r}; its submodules are "
                                  f"{[n for n in subs if n][:8]}.")
@@ -97,7 +97,11 @@ def apply_plans(plans: Plans, local_modules: Iterable[nn.Module], tp_mesh: Devic
     done = []
     for name, layer, plan in plans.values():
         if any(id(m) in local for m in layer.modules()):
-            parallelize_module(layer, tp_mesh, plan)
+            submodules = {k: v for k, v in plan.items() if k}
+            if submodules:
+                parallelize_module(layer, tp_mesh, submodules)
+            if "" in plan:  # the layer itself (torch's plan keys name submodules only)
+                parallelize_module(layer, tp_mesh, plan[""])
             done.append(name)
     return done
 

@@ -87,6 +87,7 @@ def test_hf_pretrained_settings_are_checked_before_launch(saved_llama, tmp_path)
     check_config(compose_with(f"model.path={saved_llama}", "model.block_size=32"))
 
 
+@pytest.mark.slow
 def test_hf_model_splits_by_its_own_tensor_parallel_plan_from_the_command_line(tmp_path):
     """model=hf_llama_tiny at pp=2 x tp=2 on 4 processes, split by the model's own plan. (The row-wise split
     embedding's output is a tensor whose all-reduce is in flight: the app's activation meter failed on it.)"""

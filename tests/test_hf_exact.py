@@ -145,6 +145,7 @@ def tp_runs(tmp_path_factory):
     return out, [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(4)] for i in range(len(configs))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(TP_RUNS)), ids=[c["family"] for c in TP_RUNS])
 def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, index):
     cfg = TP_RUNS[index]
@@ -165,6 +166,7 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, index):
     assert {n for n in split if n.endswith("weight")} == want, sorted(split)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp_path):
     out, _ = tp_runs
     checkpoint_cli([str(out / "ckpt"), str(tmp_path / "llama.pt")])

@@ -10,21 +10,18 @@ from typing import Any
 
 from torch import nn
 
-# Hugging Face style name -> what it does, as torch's styles; every layer's output stays whole (replicated)
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
-
-
-def _torch_style(name: str) -> Any:
+def torch_styles() -> dict[str, Callable[[], Any]]:
+    """The Hugging Face plan styles lightning_bfpp translates, each as torch's style; every layer's output stays
+    whole (replicated), as between pipeline stages."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    make: dict[str, Callable[[], Any]] = {
+    return {
         "colwise": ColwiseParallel,  # output split by heads / hidden units, consumed by a rowwise module
         "rowwise": RowwiseParallel,  # input split, output summed over the tp group
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),  # lm_head: logits gathered
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocabulary rows, lookups summed
     }
-    return make[name]()
 
 
 def check_heads(model: nn.Module, tensor_parallel: int) -> None:
@@ -45,7 +42,7 @@ def check_heads(model: nn.Module, tensor_parallel: int) -> None:
 def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int) -> dict[str, Any] | None:
     """`layer`'s plan from `model`'s own ``_tp_plan``: each of the layer's submodules (or the layer itself, key "")
     whose name in `model` matches a plan entry gets that entry's style. A weight tied between the embedding and
-    ``lm_head`` stays whole (a tied weight cannot be split). An entry with a style not in ``STYLES`` is refused."""
+    ``lm_head`` stays whole (a tied weight cannot be split). An entry with a style not in ``torch_styles()`` is refused."""
     plan = dict(getattr(model, "_tp_plan", None) or {})
     name = type(model).__name__
     if not plan:
@@ -58,6 +55,7 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int) -> d
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and embedding is not None and head.weight is embedding.weight
     names = {id(m): n for n, m in model.named_modules()}
+    styles = torch_styles()
     out: dict[str, Any] = {}
     for sub_name, sub in layer.named_modules():
         full = names.get(id(sub))
@@ -66,11 +64,11 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int) -> d
         for pattern, style in plan.items():
             if not fnmatch(full, pattern):
                 continue
-            if style not in STYLES:
+            if style not in styles:
                 raise ValueError(
                     f"tensor_parallel={tensor_parallel}: {name}'s tensor-parallel plan splits {full} as {style!r}, "
-                    f"which lightning_bfpp cannot translate (it knows {', '.join(STYLES)}). Use tensor_parallel=1, "
+                    f"which lightning_bfpp cannot translate (it knows {', '.join(styles)}). Use tensor_parallel=1, "
                     "or subclass CausalLM and return this layer's plan from pipeline_tp_plan."
                 )
-            out[sub_name] = _torch_style(style)
+            out[sub_name] = styles[style]()
     return out or None

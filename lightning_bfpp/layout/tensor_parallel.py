@@ -32,8 +32,9 @@ def _split_dim(module: nn.Module, style) -> int | None:
 
 def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: int) -> Plans:
     """Every layer's plan from ``root.pipeline_tp_plan(layer_name, layer, tensor_parallel)``, checked: each key
-    names (or matches, with ``*``) a submodule, or is "" for the layer itself, each value is a torch ParallelStyle, split dimensions divide by
-    tp, and no split parameter is shared (tied) with another module. Raises naming the layer and the rule."""
+    names (or matches, with ``*``) a submodule, or is "" for the layer itself; each value is a torch ParallelStyle;
+    split dimensions divide by tp; no split parameter is shared (tied) with another module. Raises naming the layer
+    and the rule."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
     model = type(root).__name__

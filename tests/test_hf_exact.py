@@ -64,6 +64,15 @@ def reference(family: str, data_parallel: int, tie: bool | None = None, attn: st
     return model, losses
 
 
+def launch(out, devices: int, configs: list[dict]) -> list[list[dict]]:
+    """tests/run_hf_exact.py on `devices` processes; every config's per-rank records."""
+    cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), str(devices), json.dumps(configs)]
+    res = subprocess.run(cmd, env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT, capture_output=True, text=True,
+                         timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(devices)] for i in range(len(configs))]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     cache = {}
@@ -77,12 +86,7 @@ def runs(tmp_path_factory):
                     c["pretrained"] = str(saved_model(out, c["family"]))
             if devices == 4:
                 configs[0]["save"] = str(out / "ckpt")
-            cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), str(devices), json.dumps(configs)]
-            res = subprocess.run(cmd, env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT, capture_output=True,
-                                 text=True, timeout=400)
-            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-            cache[devices] = out, [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(devices)]
-                                   for i in range(len(configs))]
+            cache[devices] = out, launch(out, devices, configs)
         return cache[devices]
 
     return get
@@ -138,11 +142,7 @@ def tp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_tp")
     configs = [dict(c) for c in TP_RUNS]
     configs[0]["save"] = str(out / "ckpt")
-    cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), "4", json.dumps(configs)]
-    res = subprocess.run(cmd, env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT, capture_output=True, text=True,
-                         timeout=400)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    return out, [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(4)] for i in range(len(configs))]
+    return out, launch(out, 4, configs)
 
 
 @pytest.mark.slow

@@ -248,7 +248,25 @@ def check_layout(cfg: DictConfig) -> int:
                       global_batch=None if auto else get("data.batch_size"), names=names)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if get("trainer.strategy") == "bfpp":
+        check_sequence_parallel(get("schedule.sequence_parallel"), dims.tensor_parallel, get("data.block_size"))
     return dims.data_parallel
+
+
+def check_sequence_parallel(sequence_parallel, tensor_parallel: int, block_size) -> None:
+    if sequence_parallel is None or sequence_parallel is False:
+        return
+    if sequence_parallel is not True:
+        raise ConfigError(f"schedule.sequence_parallel={sequence_parallel!r} must be true, false or null (off).")
+    if tensor_parallel == 1:
+        raise ConfigError("schedule.sequence_parallel=true splits each sequence over the tensor-parallel ranks, and "
+                          "schedule.tensor_parallel=1: set schedule.tensor_parallel=2 (or more), or "
+                          "schedule.sequence_parallel=false.")
+    if is_int(block_size) and block_size % tensor_parallel:
+        raise ConfigError(f"schedule.sequence_parallel=true gives each of the schedule.tensor_parallel={tensor_parallel} "
+                          f"ranks 1/{tensor_parallel} of a sequence, and data.block_size={block_size} does not divide by "
+                          f"{tensor_parallel}: set data.block_size (model.block_size) to a multiple of {tensor_parallel}, or "
+                          "schedule.sequence_parallel=false.")
 
 
 def corpus_windows(max_bytes: int, val_fraction: float, block_size: int, stride: int | None) -> tuple[int, int, int, int]:

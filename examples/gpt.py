@@ -74,8 +74,8 @@ class Block(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         h = self.ln_1(x)
+        B, T, _ = h.shape  # the whole sequence (under sequence parallel x is this rank's shard; h is gathered)
         # (B, nh, T, hs); under tensor parallel nh is this rank's heads (q/k/v hold n_head / tp heads' columns)
         q, k, v = (f(h).view(B, T, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
@@ -156,27 +156,43 @@ class GPT(PipelineHooks, L.LightningModule):
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
 
-    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int) -> dict | None:
+    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int,
+                         sequence_parallel: bool = False) -> dict | None:
         """Megatron-style split of each block: q/k/v column-wise (n_head / tp heads per rank), proj row-wise (its
-        output all-reduced, replicated); MLP up column-wise, down row-wise. Untied, the token embedding is split by
+        output all-reduced, replicated); MLP up column-wise, down row-wise; ln_1 and ln_2 hand their output on as one
+        replicated tensor (so the gradient of q/k/v's input is all-reduced once, not three times). Untied, the token embedding is split by
         vocabulary rows (lookups summed over the tp group) and the output head by vocabulary columns (logits
-        gathered); tied, both stay whole (a tied weight cannot be split). Every layer's output is whole."""
-        from torch.distributed.tensor import Replicate
+        gathered); tied, both stay whole (a tied weight cannot be split). Every layer's output is whole.
+        `sequence_parallel`: between layers each rank holds its 1/tp of the sequence; the norms run on it and are
+        all-gathered after (ln_1, ln_2) or before (the head); proj and mlp.2 reduce-scatter instead of all-reduce;
+        the embedding's output is cut to the rank's shard."""
+        from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from lightning_bfpp.layout.tensor_parallel import (
+            replicated_output, sequence_gather, sequence_parallel_norm, sequence_scatter)
 
         if self.cfg.n_head % tensor_parallel:
             fits = [t for t in range(1, self.cfg.n_head + 1) if self.cfg.n_head % t == 0]
             raise ValueError(f"model.n_head={self.cfg.n_head} must be divisible by tensor_parallel={tensor_parallel} (each "
                              f"tensor-parallel rank computes n_head / tp whole heads); use tensor_parallel in {fits}, or "
                              f"model.n_head a multiple of {tensor_parallel}.")
-        if isinstance(layer, Embedding) and not self.cfg.tie_weights:
-            return {"tok": RowwiseParallel(input_layouts=Replicate())}
-        if isinstance(layer, Head) and not self.cfg.tie_weights:
-            return {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+        sp = sequence_parallel
+        if isinstance(layer, Embedding):
+            plan = {} if self.cfg.tie_weights else {"tok": RowwiseParallel(input_layouts=Replicate())}
+            return {**plan, "": sequence_scatter()} if sp else plan or None
+        if isinstance(layer, Head):
+            plan = {} if self.cfg.tie_weights else {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+            return {**plan, "": sequence_gather(use_local_output=True)} if sp else plan or None
         if not isinstance(layer, Block):
             return None
-        return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "proj": RowwiseParallel(),
-                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "mlp.0": ColwiseParallel()}
+        if not sp:  # the norms' outputs handed on as one replicated tensor: q/k/v's input gradients all-reduced once
+            return {**plan, "proj": RowwiseParallel(), "mlp.2": RowwiseParallel(),
+                    "ln_1": replicated_output(), "ln_2": replicated_output()}
+        scatter = RowwiseParallel(output_layouts=Shard(1))  # its output summed over tp and cut to this rank's shard
+        return {**plan, "proj": scatter, "mlp.2": scatter,
+                "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(gather_output=True)}
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))  # mean nats per byte

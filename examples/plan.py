@@ -47,6 +47,7 @@ def check_plan(cfg: DictConfig) -> None:
         ("plan.max_micro_batches", lambda v: v is None or _ints(1)(v), "an integer >= 1 or null"),
         ("plan.max_groups", _ints(1), "an integer >= 1"),
         ("plan.tensor_parallels", lambda v: v is None or each(_ints(1))(v), "a list of integers >= 1 or null"),
+        ("plan.sequence_parallels", each(lambda x: isinstance(x, bool)), "a list of true / false"),
         ("plan.runtime_waits", lambda v: v in ("fsdp", "cpu"), "fsdp or cpu"),
     ]
     for key, holds, rule in rules:
@@ -76,6 +77,7 @@ def main(cfg: DictConfig) -> None:
                    max_micro_batches=int(p.max_micro_batches) if p.get("max_micro_batches") else None,
                    max_groups=int(p.max_groups),
                    tensor_parallels=list(p.tensor_parallels) if p.get("tensor_parallels") else None,
+                   sequence_parallels=[bool(v) for v in p.sequence_parallels],
                    residencies=("step",))  # the runtime keeps a stage's weights as its schedule lowers them
     elapsed = time.perf_counter() - start
     if not plans:
@@ -95,7 +97,7 @@ def main(cfg: DictConfig) -> None:
                                          batch_size=int(cfg.data.batch_size))
     c = best.candidate
     print(f"\nbest: {c.schedule} pipeline_parallel={c.pipeline_parallel} data_parallel={c.data_parallel} "
-          f"tensor_parallel={c.tensor_parallel} loops={c.loops} micro_batches={c.micro_batches}x{c.micro_batch_size}")
+          f"tensor_parallel={c.tensor_parallel} sequence_parallel={c.sequence_parallel} loops={c.loops} micro_batches={c.micro_batches}x{c.micro_batch_size}")
     print("\nbest layout for examples/train.py:\n  " + " ".join(overrides))
     if p.out:
         out = Path(HydraConfig.get().runtime.output_dir) / p.out  # an absolute plan.out stays as it is

@@ -32,7 +32,7 @@ from .layout.mesh import DP, PP, build_mesh, forget_groups
 from .layout.partition import plan_stages
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
-from .layout.tensor_parallel import grads_like_params, layer_plans
+from .layout.tensor_parallel import grads_like_params, layer_plans, resolve_sequence_parallel
 from .runtime.measure import check_every_n_steps, measure_now, step_stats
 from .runtime.pipeline import PipelineRunner, batch_rows
 from .runtime.reduce import clip_grad_norm_on_mesh, share_from_ranks
@@ -62,6 +62,11 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             world_size / tensor_parallel (fewer when the model has fewer layers), printed at start.
         tensor_parallel: processes splitting every layer (tp, innermost, within one node) by the model's
             ``pipeline_tp_plan`` (see ``lightning_bfpp.layout.tensor_parallel``); must divide the devices per node.
+        sequence_parallel: with tensor_parallel > 1, activations between the split modules (norms, dropout,
+            residual adds) and across stages are each tp rank's 1/tp of the sequence (Korthikanti et al. 2022): the
+            model's ``pipeline_tp_plan`` is asked for sequence-parallel plans. The sequence length must divide by
+            tensor_parallel. Default (None): off; measured 1.2x slower per step on CPU (gloo), where an all-gather
+            and a reduce-scatter cost more than one all-reduce (README "Sequence parallel", BENCHMARKS.md).
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe" or "1f1b".
@@ -118,6 +123,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def __init__(
         self,
         pipeline_parallel: int | None = None, tensor_parallel: int = 1, loops: int | None = None,
+        sequence_parallel: bool | None = None,
         micro_batches: int | None = None, schedule: str | None = None, groups: int | None = None,
         sharding: Literal["full", "none"] | None = None, reshard_after_forward: bool | None = None,
         stage_layers: Sequence[int] | Literal["auto"] | None = None, activation_checkpointing: bool = False,
@@ -135,6 +141,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         # the layout, checked now (before any process starts), then again with the world and the model
         self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, loops, micro_batches, schedule, groups, sharding,
                                reshard_after_forward, stage_layers, layout, global_batch_size)
+        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, tensor_parallel)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (user.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -287,14 +294,14 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                 rank_zero_warn(warning)
         stages = plan_stages(module, layers, self.spec.num_stages, None if self.plan.undecided else self.stage_layers)
         if self.tensor_parallel > 1:
-            layer_plans(module, layers, self.tensor_parallel)  # the model's tensor-parallel plan, checked
+            layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel)  # the model's plan, checked
         if self.compile:
             check_compile(self.root_device.type)
         return stages
 
     def _build_pipeline(self, module) -> PipelineRunner:
         layers = list(module.pipeline_layers())
-        plans = layer_plans(module, layers, self.tensor_parallel) if self.tensor_parallel > 1 else {}
+        plans = layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel) if self.tensor_parallel > 1 else {}
         layout = self.stage_layers
         on_meta = has_meta_tensors(module)  # the same on every rank: every process built the same model
         if layout == "auto":
@@ -313,7 +320,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
                                                  self.activation_checkpointing, self.compile)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims.sharded, self.compile)
+                                      module.pipeline_loss, self.dims.sharded, self.compile,
+                                      self.tensor_parallel if self.sequence_parallel else 1)
 
     def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
         """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see

@@ -4,11 +4,12 @@ layouts in one launch of N CPU processes; the reference is the plain HF model in
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: family (gpt2|llama|qwen2|mistral|gemma3: Mistral's layers attend within a sliding window; Gemma 3 mixes
 sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding and soft-caps its
-logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), pp, loops, m,
-steps, batch (global), precision, ac (activation_checkpointing), save (checkpoint folder written after fit),
-pretrained (a save_pretrained directory: CausalLM.from_pretrained, built on the meta device).
+logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor
+parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global), precision, ac
+(activation_checkpointing), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
+CausalLM.from_pretrained, built on the meta device).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
-[names of the parameters split over tensor-parallel ranks]}.
+[names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent}.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa"), kv_heads=cfg.get("kv_heads", 1)),
                          optimizer=sgd)
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2), micro_batches=cfg.get("m", 2),
-                            tensor_parallel=cfg.get("tp", 1), activation_checkpointing=cfg.get("ac", False),
+                            tensor_parallel=cfg.get("tp", 1), sequence_parallel=cfg.get("sp"),
+                            activation_checkpointing=cfg.get("ac", False),
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
@@ -104,7 +106,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
-    torch.save({"params": params, "losses": record.losses, "tp_split": split}, out / f"rank{trainer.global_rank}.pt")
+    torch.save({"params": params, "losses": record.losses, "tp_split": split, "message_bytes": strategy.runner.message_bytes},
+               out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

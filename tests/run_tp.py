@@ -1,10 +1,11 @@
 """Train a tiny example GPT with strategy=bfpp and tensor parallel, several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
-Config keys: pp, tp, loops, m, schedule, sharding, steps (max_steps), batch (global), opt (sgd|adamw), clip, ac,
+Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt (sgd|adamw), clip, ac,
 precision, tied (embedding tied to the head), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
-"tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes}.
+"tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
+"message_bytes": the largest activation message it sent}.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     model = GPT(model_config(cfg.get("tied", False)), optim_config(cfg.get("opt", "sgd")))
     pp, tp = cfg.get("pp", 1), cfg.get("tp", 1)
     strategy = BFPPStrategy(
-        pipeline_parallel=pp, tensor_parallel=tp, loops=cfg.get("loops", 1), micro_batches=cfg.get("m"),
+        pipeline_parallel=pp, tensor_parallel=tp, sequence_parallel=cfg.get("sp"), loops=cfg.get("loops", 1),
+        micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
         activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120),
     )
@@ -91,7 +93,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in named}
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"params": params, "local_shapes": local, "tp_split": sorted(n for n, p in named if tp_sharded(p)),
-                "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank)},
+                "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank),
+                "message_bytes": strategy.runner.message_bytes},
                out / f"rank{trainer.global_rank}.pt")
 
 

@@ -51,6 +51,9 @@ ROWS = [
     ("negative_lr", ["optim.lr=-1"], "optim.lr=-1"),
     ("corpus_shorter_than_a_window", ["data.max_bytes=50"], "data.max_bytes=50"),
     ("fp16_without_loss_scaling", ["trainer.precision=16-true"], "trainer.precision='16-true'"),
+    ("sequence_parallel_without_tensor_parallel", ["schedule.sequence_parallel=true"], "schedule.tensor_parallel=1"),
+    ("sequence_not_dividing_by_tp", ["schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.tensor_parallel=2",
+                                     "schedule.sequence_parallel=true", "model.block_size=63"], "data.block_size=63"),
 ]
 
 

@@ -65,12 +65,15 @@ def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path, one_process):
-    """schedule.tensor_parallel=2 with pipeline_parallel=2 on 4 processes (dp 1): the GPT's blocks, embedding and head
-    split by its pipeline_tp_plan give the single-process losses and torchmetrics values (optim=sgd)."""
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_from_the_command_line_matches_one_process(tmp_path, one_process, sequence_parallel):
+    """schedule.tensor_parallel=2 with pipeline_parallel=2 on 4 processes (dp 1), with and without
+    schedule.sequence_parallel: the GPT's blocks, embedding and head split by its pipeline_tp_plan give the
+    single-process losses and torchmetrics values (optim=sgd)."""
     tp2 = ["cluster=cpu_4", "schedule.pipeline_parallel=2", "schedule.tensor_parallel=2", "schedule.loops=1",
-           "schedule.micro_batches=2"]
+           "schedule.micro_batches=2", f"schedule.sequence_parallel={str(sequence_parallel).lower()}"]
     run_cli(COMMON + tp2 + [f"hydra.run.dir={tmp_path / 'tp2'}"], cwd=tmp_path)
+    assert _summary(tmp_path / "tp2")["sequence_parallel"] is sequence_parallel
     values = {"cpu1": _values(one_process), "tp2": _values(tmp_path / "tp2")}
     assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values["tp2"], values["cpu1"])), values
 

@@ -88,12 +88,15 @@ def test_hf_pretrained_settings_are_checked_before_launch(saved_llama, tmp_path)
 
 
 @pytest.mark.slow
-def test_hf_model_splits_by_its_own_tensor_parallel_plan_from_the_command_line(tmp_path):
-    """model=hf_llama_tiny at pp=2 x tp=2 on 4 processes, split by the model's own plan. (The row-wise split
-    embedding's output is a tensor whose all-reduce is in flight: the app's activation meter failed on it.)"""
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_hf_model_splits_by_its_own_tensor_parallel_plan_from_the_command_line(tmp_path, sequence_parallel):
+    """model=hf_llama_tiny at pp=2 x tp=2 on 4 processes, split by the model's own plan, with and without sequence
+    parallel. (The row-wise split embedding's output is a tensor whose all-reduce is in flight: the app's activation
+    meter failed on it.)"""
     cheap = [a for a in CHEAP if not a.startswith(("cluster=", "schedule.loops="))]
     run_cli(["model=hf_llama_tiny", "cluster=cpu_4", "schedule.loops=1", "schedule.tensor_parallel=2", *cheap,
-             f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+             f"schedule.sequence_parallel={str(sequence_parallel).lower()}", f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["tensor_parallel"] == 2 and s["pipeline_parallel"] == 2 and s["world_size"] == 4 and s["steps"] == 2
+    assert s["sequence_parallel"] is sequence_parallel
     assert math.isfinite(s["train_loss"]) and math.isfinite(s["val_loss"]) and 0 < s["train_loss"] < 7

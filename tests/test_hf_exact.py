@@ -15,7 +15,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
 from launch import ROOT, clean_env  # noqa: E402
-from run_hf_exact import LR, hf_model, lightning_batches  # noqa: E402
+from run_hf_exact import LR, SEQ, WIDTH, hf_model, lightning_batches  # noqa: E402
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli  # noqa: E402
 from procenv import free_port  # noqa: E402
@@ -28,9 +28,18 @@ CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": T
 PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True}]
 RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED], 4: [*CONFIGS, *PRETRAINED]}  # devices 2: dp 1; 4: dp 2
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
-# heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window
-TP_RUNS = [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
-           {"family": "mistral", "tp": 2, "kv_heads": 2}]
+# heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
+# sequence parallel ("sp") too. Two launches: the first in `make test`, the second (slow) in CI.
+TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp=2 on 8 processes
+    "sp": (4, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True},
+               {"family": "qwen2", "tp": 2, "kv_heads": 2, "sp": True}]),
+    "slow": (4, [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
+                 {"family": "mistral", "tp": 2, "kv_heads": 2}, {"family": "mistral", "tp": 2, "kv_heads": 2, "sp": True},
+                 {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "precision": "bf16-mixed"}]),
+    "dp2": (8, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True}, {"family": "qwen2", "tp": 2, "kv_heads": 2}]),
+}
+TP_RUNS = [(launch, i, c) for launch, (_, configs) in TP_LAUNCHES.items() for i, c in enumerate(configs)
+           if "precision" not in c]
 # sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow (README tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
 BF16_REL = 0.02
@@ -139,27 +148,42 @@ def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_tp")
-    configs = [dict(c) for c in TP_RUNS]
-    configs[0]["save"] = str(out / "ckpt")
-    return out, launch(out, 4, configs)
+    """One launch per TP_LAUNCHES entry, made when a selected test first asks for it: (out dir, records)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            out = tmp_path_factory.mktemp(f"hf_tp_{name}")
+            devices, configs = TP_LAUNCHES[name][0], [dict(c) for c in TP_LAUNCHES[name][1]]
+            if name == "slow":
+                configs[0]["save"] = str(out / "ckpt")
+            cache[name] = out, launch(out, devices, configs)
+        return cache[name]
+
+    return get
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(TP_RUNS)), ids=[c["family"] for c in TP_RUNS])
-def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, index):
-    cfg = TP_RUNS[index]
-    model, losses = reference(cfg["family"], 1, kv_heads=cfg["kv_heads"])
+@pytest.mark.parametrize("name, index", [(n, i) if n == "sp" else pytest.param(n, i, marks=pytest.mark.slow)
+                                         for n, i, _ in TP_RUNS],
+                         ids=[f"{n}-" + c["family"] + ("-sp" if c.get("sp") else "") for n, _, c in TP_RUNS])
+def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, index):
+    devices, configs = TP_LAUNCHES[name]
+    cfg, dp = configs[index], devices // 4  # pp=2 x tp=2
+    records = tp_runs(name)[1][index]
+    model, losses = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"])
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
-    for rank in tp_runs[1][index]:
+    for rank in records:
         got.update(rank["params"])
     assert set(got) == set(model.state_dict())  # the HF model's own names
     worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
     assert worst <= TOL, f"max |bfpp tp=2 - one process| = {worst:.3g}"
-    assert tp_runs[1][index][-1]["losses"] == pytest.approx(losses, abs=1e-5)
+    assert records[-1]["losses"] == pytest.approx(losses, abs=1e-5)
     # what was split: attention and MLP projections, and the embedding and head unless tied
-    split = {n for rank in tp_runs[1][index] for n in rank["tp_split"]}
+    # a pipeline message: one micro-batch's activations (fp32), with sequence parallel half of each sequence
+    micro_batch = BATCH // dp // 2
+    assert max(r["message_bytes"] for r in records) == micro_batch * SEQ * WIDTH * 4 // (2 if cfg.get("sp") else 1)
+    split = {n for rank in records for n in rank["tp_split"]}
     want = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
             "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     want |= set() if model.config.tie_word_embeddings else {"model.embed_tokens.weight", "lm_head.weight"}
@@ -167,8 +191,18 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, index):
 
 
 @pytest.mark.slow
+def test_hf_tensor_and_sequence_parallel_under_bf16_mixed_follow_fp32(tp_runs):
+    """Llama at pp=2 x loops=2 x tp=2 with sequence parallel, precision="bf16-mixed": each step's loss within 2% of
+    the fp32 model's."""
+    (index,) = [i for i, c in enumerate(TP_LAUNCHES["slow"][1]) if c.get("precision")]
+    got = tp_runs("slow")[1][index][-1]["losses"]
+    _, losses = reference("llama", 1, kv_heads=2)
+    assert len(got) == len(losses) and all(abs(a - b) <= BF16_REL * abs(b) for a, b in zip(got, losses)), (got, losses)
+
+
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp_path):
-    out, _ = tp_runs
+    out, _ = tp_runs("slow")
     checkpoint_cli([str(out / "ckpt"), str(tmp_path / "llama.pt")])
     model = hf_model("llama", seed=1, kv_heads=2)
     model.load_state_dict(torch.load(tmp_path / "llama.pt", weights_only=True)["state_dict"], strict=True)

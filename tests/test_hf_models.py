@@ -136,18 +136,19 @@ def test_predict_step_takes_input_ids_alone_or_pairs():
 
 
 # ---- tensor parallel by the model's own plan (in-process: the plans and their checks, no processes) ----
-def _plans(model, tensor_parallel: int = 2) -> dict[str, dict[str, str]]:
+def _plans(model, tensor_parallel: int = 2, sequence_parallel: bool = False) -> dict[str, dict[str, str]]:
     from lightning_bfpp.layout.tensor_parallel import layer_plans
 
     lm = CausalLM(model)
     return {name: {k: type(v).__name__ for k, v in plan.items()}
-            for name, _, plan in layer_plans(lm, lm.pipeline_layers(), tensor_parallel).values()}
+            for name, _, plan in layer_plans(lm, lm.pipeline_layers(), tensor_parallel, sequence_parallel).values()}
 
 
 def test_the_models_own_tensor_parallel_plan_becomes_torch_styles():
     plans = _plans(build("llama", num_key_value_heads=2))
     assert plans["model.embed_tokens"] == {"": "RowwiseParallel"}  # embedding_rowwise: vocabulary rows
-    assert plans["model.layers.0"] == {"self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
+    assert plans["model.layers.0"] == {"self_attn": "ReplicatedInput", "mlp": "ReplicatedInput",
+                                       "self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
                                        "self_attn.v_proj": "ColwiseParallel", "self_attn.o_proj": "RowwiseParallel",
                                        "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel",
                                        "mlp.down_proj": "RowwiseParallel"}
@@ -159,6 +160,51 @@ def test_the_models_own_tensor_parallel_plan_becomes_torch_styles():
     mixed = _plans(build("ministral", num_key_value_heads=2))
     typed = [plan for name, plan in mixed.items() if "TypedDecoderLayer" in name]
     assert len(typed) == 3 and all(plan["layer.self_attn.q_proj"] == "ColwiseParallel" for plan in typed)
+
+
+def test_sequence_parallel_gathers_the_sequence_for_the_split_projections_only():
+    """With sequence parallel the norms run on each rank's shard; attention and MLP gather the sequence, their row-wise
+    projections reduce-scatter it back; the embedding's output is cut into shards and the head gathers them."""
+    plans = _plans(build("llama", num_key_value_heads=2), sequence_parallel=True)
+    assert plans["model.embed_tokens"] == {"": "RowwiseParallel"}  # lookups summed straight into sequence shards
+    assert plans["model.layers.0"] == {
+        "self_attn": "ReplicatedInput", "mlp": "ReplicatedInput",
+        "input_layernorm": "SequenceParallel", "post_attention_layernorm": "SequenceParallel",
+        "self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel", "self_attn.v_proj": "ColwiseParallel",
+        "self_attn.o_proj": "RowwiseParallel", "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel",
+        "mlp.down_proj": "RowwiseParallel"}
+    (head,) = [plan for name, plan in plans.items() if "OutputHead" in name]
+    assert head == {"lm_head": "ColwiseParallel", "": "ReplicatedInput"}
+    tied = _plans(build("qwen2", num_key_value_heads=2, tie_word_embeddings=True), sequence_parallel=True)
+    assert tied["model.embed_tokens"] == {"": "PrepareModuleOutput"}  # whole, then cut to this rank's shard
+    mixed = _plans(build("ministral", num_key_value_heads=2), sequence_parallel=True)
+    typed = [plan for name, plan in mixed.items() if "TypedDecoderLayer" in name]
+    assert all(p["layer.input_layernorm"] == "SequenceParallel" and p["layer.self_attn"] == "ReplicatedInput" for p in typed)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_a_decoder_layer_issues_the_collectives_the_simulator_counts(sequence_parallel):
+    """A Llama decoder layer split by the model's own plan: two all-reduces per pass (attention's and the MLP's input
+    gradients all-reduced once each, not per projection: five otherwise), or with sequence parallel an all-gather and
+    a reduce-scatter for each, as the simulator counts."""
+    from lightning_bfpp.hf.causal_lm import causal_lm_side_inputs
+    from test_tensor_parallel import BLOCK_COLLECTIVES, collectives
+
+    model = build("llama", num_key_value_heads=2)
+    lm, layer = CausalLM(model), model.model.layers[0]
+    plan = lm.pipeline_tp_plan("model.layers.0", layer, 2, sequence_parallel)
+    side = causal_lm_side_inputs(model, torch.zeros(2, SEQ, dtype=torch.long))
+    x = torch.randn(2, SEQ // 2 if sequence_parallel else SEQ, SMALL["hidden_size"])
+    forward, backward = collectives(layer, plan, x, position_embeddings=side["position_embeddings"])
+    assert forward == backward == BLOCK_COLLECTIVES[sequence_parallel]
+
+
+def test_sequence_parallel_refuses_a_decoder_child_it_cannot_shard():
+    model = build("llama", num_key_value_heads=2)
+    model.model.layers[0].adapter = torch.nn.Linear(SMALL["hidden_size"], SMALL["hidden_size"])  # e.g. a user's addition
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: LlamaForCausalLM's decoder layer has adapter \(Linear\), "
+                                         r"which is neither a norm nor split by the model's plan"):
+        _plans(model, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("model_type, overrides, message", [

@@ -1,6 +1,8 @@
-"""Tensor parallel inside the stages (pp x dp x tp): the example GPT split by its pipeline_tp_plan trains like one
-process (SGD, 3 steps), resumes across tensor-parallel sizes (AdamW) and holds 1/(pp*dp*tp) of the bytes per rank.
-Two launches of tests/run_tp.py: 4 processes (several layouts one after another), 8 processes (pp2 x loops2 x dp2 x tp2)."""
+"""Tensor parallel inside the stages (pp x dp x tp), with and without sequence parallel: the example GPT split by its
+pipeline_tp_plan trains like one process (SGD, 3 steps), resumes across tensor-parallel sizes and across sequence
+parallel on/off (AdamW), holds 1/(pp*dp*tp) of the bytes per rank, and sends the activation message the simulator
+counts. Two launches of tests/run_tp.py: 4 processes (several layouts one after another), 8 processes (pp2 x loops2 x
+dp2 x tp2)."""
 
 from __future__ import annotations
 
@@ -43,9 +45,17 @@ WORLD4 = {
     "resume-tp1": {"pp": 2, "loops": 2, "m": 2, "opt": "adamw", "steps": 4, "resume": "{out}/tp2/step=2.ckpt"},
     "save-tp1": {"pp": 4, "m": 4, "opt": "adamw", "steps": 4, "save_every": 2, "save_dir": "{out}/tp1"},
     "resume-tp2": {"pp": 1, "tp": 2, "m": 2, "opt": "adamw", "steps": 4, "resume": "{out}/tp1/step=2.ckpt"},
+    # sequence parallel: between the split modules and across stages each tp rank holds half of each sequence
+    "pp2-tp2-sp": {"pp": 2, "tp": 2, "m": 2, "sp": True},
+    "pp2-tp2-loops2-clip-ac-tied-sp": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "clip": 0.05, "ac": True, "tied": True,
+                                       "sp": True},
+    "pp2-tp2-sp-bf16": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "precision": "bf16-mixed", "sp": True},
+    "save-sp": {"pp": 2, "tp": 2, "m": 2, "sp": True, "opt": "adamw", "steps": 4, "save_every": 2, "save_dir": "{out}/sp"},
+    "resume-no-sp": {"pp": 1, "tp": 2, "m": 2, "opt": "adamw", "steps": 4, "resume": "{out}/sp/step=2.ckpt"},
 }
 WORLD8 = {
     "pp2-loops2-dp2-tp2-bf": {"pp": 2, "tp": 2, "loops": 2, "m": 2},
+    "pp2-loops2-dp2-tp2-sp": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "sp": True},
     "pp2-dp2-tp2-1f1b": {"pp": 2, "tp": 2, "m": 2, "schedule": "1f1b"},
 }
 
@@ -140,7 +150,26 @@ def test_bf16_mixed_follows_fp32(runs, name):
     assert all(abs(a - b) <= BF16_RTOL * b for a, b in zip(got, fp32)), (got, fp32)
 
 
-@pytest.mark.parametrize("saved,resumed", [("save-tp2", "resume-tp1"), ("save-tp1", "resume-tp2")])
+@pytest.mark.parametrize("devices,name", [(4, "pp2-tp2-sp"), (4, "pp2-tp2-bf"),
+                                          pytest.param(8, "pp2-loops2-dp2-tp2-sp", marks=pytest.mark.slow)])
+def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
+    """A pipeline message is one micro-batch's activation (fp32): whole on every tp rank, or with sequence parallel
+    each rank's 1/tp of the sequence; the simulator's message_bytes (what its p2p times are made of) says the same."""
+    from lightning_bfpp.sim import Model, message_bytes
+
+    cfg = {4: WORLD4, 8: WORLD8}[devices][name]
+    c = run_tp.model_config()
+    layers = Model(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size).layers(None, cfg["tp"], cfg.get("sp", False))
+    micro_batch = BATCH // _dp(devices, cfg) // cfg["m"]
+    expected = message_bytes(layers, micro_batch, cfg["tp"], cfg.get("sp", False), activation_bytes=4)
+    sent = [r["message_bytes"] for r in runs(devices)[name]]
+    senders = [b for b in sent if b]  # ranks holding the last stage only (pp2, loops 1) send nothing forward
+    assert senders and all(b == expected for b in senders), (sent, expected)
+    assert expected == micro_batch * c.block_size * c.n_embd * 4 / (cfg["tp"] if cfg.get("sp") else 1)
+
+
+@pytest.mark.parametrize("saved,resumed", [("save-tp2", "resume-tp1"), ("save-tp1", "resume-tp2"),
+                                           ("save-sp", "resume-no-sp")])
 def test_adamw_resume_across_tensor_parallel_sizes(runs, saved, resumed):
     """Weights and AdamW state saved at step 2 at one tp size (and pp/dp) continue at another as if never
     interrupted: the resumed run, and the uninterrupted run it was saved from, equal one process's 4 steps."""
@@ -208,3 +237,75 @@ def test_plan_errors_name_the_rule():
 
     with pytest.raises(TypeError, match=r"tensor_parallel=2 needs `StackNet.pipeline_tp_plan"):
         layer_plans(StackNet(), StackNet().pipeline_layers(), 2)
+
+
+def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
+    from gpt import GPTConfig
+
+    from lightning_bfpp.layout.tensor_parallel import check_sequence_length
+
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the sequence .* tensor_parallel=1: set tensor_parallel > 1"):
+        BFPPStrategy(sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel='yes' must be True, False or None"):
+        BFPPStrategy(tensor_parallel=2, sequence_parallel="yes")
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32))
+    layers = model.pipeline_layers()
+    plans = layer_plans(model, layers, 2, sequence_parallel=True)
+    block = {k: type(v).__name__ for k, v in plans[id(model.blocks[0])][2].items()}
+    assert block["ln_1"] == block["ln_2"] == "GatheredSequenceParallel" and block["proj"] == "RowwiseParallel"
+    assert plans[id(model.blocks[0])][2]["proj"].output_layouts[0].is_shard(1)  # reduce-scattered to sequence shards
+    # a plan written before sequence parallel (no such argument) is not silently used with shards
+    model.pipeline_tp_plan = lambda name, layer, tp: GPT.pipeline_tp_plan(model, name, layer, tp)
+    with pytest.raises(TypeError, match=r"takes no `sequence_parallel` argument.*or set sequence_parallel=False"):
+        layer_plans(model, layers, 2, sequence_parallel=True)
+    # under sequence parallel a layer left whole would compute on its shard as if it were the whole sequence
+    model.pipeline_tp_plan = lambda name, layer, tp, sequence_parallel=False: (
+        None if name == "blocks.1" else GPT.pipeline_tp_plan(model, name, layer, tp, sequence_parallel))
+    with pytest.raises(ValueError, match=r"returned no plan, so blocks.1 would run on a sequence shard"):
+        layer_plans(model, layers, 2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"shape \(2, 7\)\) over tensor_parallel=2 ranks, and its length 7 does not divide"):
+        check_sequence_length((torch.zeros(2, 7, dtype=torch.long),), 2)
+    check_sequence_length(torch.zeros(2, 8, dtype=torch.long), 2)
+
+
+def collectives(module, plan: dict, x: torch.Tensor, **kwargs) -> tuple[dict[str, int], dict[str, int]]:
+    """The collectives one forward and one backward of `module`, split by `plan` over 2 tensor-parallel ranks, issue
+    (counted by torch's CommDebugMode in this process, on the fake backend: nothing is sent). `x`: this rank's input."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        parallelize_module(module, init_device_mesh("cpu", (2,)), {k: v for k, v in plan.items() if k})
+        with CommDebugMode() as forward:
+            out = module(x.requires_grad_(), **kwargs)
+        with CommDebugMode() as backward:
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+    def names(mode) -> dict[str, int]:
+        return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+    return names(forward), names(backward)
+
+
+# per block, what the simulator's cost model counts (sim.Model.layer_tp_comm): two all-reduces of the activation in
+# forward and two in backward, or with sequence parallel an all-gather and a reduce-scatter for each
+BLOCK_COLLECTIVES = {False: {"all_reduce": 2}, True: {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_a_block_issues_the_collectives_the_simulator_counts(sequence_parallel):
+    """Without sequence parallel q, k and v read one replicated input: its gradient is all-reduced once (torch's
+    styles alone all-reduce it per projection: four all-reduces per block in backward, not two)."""
+    from gpt import GPTConfig
+
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=8, vocab_size=32))
+    plan = model.pipeline_tp_plan("blocks.0", model.blocks[0], 2, sequence_parallel=sequence_parallel)
+    x = torch.randn(2, 4 if sequence_parallel else 8, 32)  # this rank's input: half the sequence with sequence parallel
+    forward, backward = collectives(model.blocks[0], plan, x)
+    assert forward == backward == BLOCK_COLLECTIVES[sequence_parallel]

@@ -35,12 +35,16 @@ class PipelineHooks:
         stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
         with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
         step ends (for a language model: the logits of the whole batch).
-        ``pipeline_tp_plan(layer_name, layer, tensor_parallel)``: needed for ``BFPPStrategy(tensor_parallel>1)``; for
-        each layer (``layer_name`` as in stage names), a dict {submodule name or ``*`` pattern inside ``layer``: torch
-        ``ParallelStyle``} applied with ``parallelize_module`` over the tensor-parallel group, or None to keep it whole.
-        Each layer must return its output whole (end a column-wise split with a row-wise one, or gather it):
-        activations cross stages whole. Raise naming the setting when the model cannot split by ``tensor_parallel``
-        (e.g. heads); a weight tied to another module cannot be split. See ``lightning_bfpp.layout.tensor_parallel``.
+        ``pipeline_tp_plan(layer_name, layer, tensor_parallel, sequence_parallel=False)``: needed for
+        ``BFPPStrategy(tensor_parallel>1)``; for each layer (``layer_name`` as in stage names), a dict {submodule name
+        or ``*`` pattern inside ``layer``, or "" for the layer itself: torch ``ParallelStyle``} applied with
+        ``parallelize_module`` over the tensor-parallel group, or None to keep it whole. Each layer must return its
+        output whole (end a column-wise split with a row-wise one, or gather it). With ``sequence_parallel=True``
+        (asked only of a hook that takes the argument) every layer gets a plan, and between layers each tp rank holds
+        its 1/tp of the sequence (dim 1): the first layer's output is cut into shards, the last gathers them, norms
+        run on shards (see ``sequence_gather``, ``sequence_parallel_norm``, ``sequence_scatter``). Raise naming the
+        setting when the model cannot split by ``tensor_parallel`` (e.g. heads); a weight tied to another module
+        cannot be split. See ``lightning_bfpp.layout.tensor_parallel``.
         ``pipeline_init_weights(name, module)``: initializes one module of a model built on the meta device, on the
         ranks holding it; default ``module.reset_parameters()``.
 

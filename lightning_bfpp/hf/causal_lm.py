@@ -350,11 +350,13 @@ class CausalLM(PipelineHooks, LightningModule):
     def pipeline_side_inputs(self, input_ids: torch.Tensor) -> dict[str, Any]:
         return causal_lm_side_inputs(self.hf_model, input_ids)
 
-    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int) -> dict[str, Any] | None:
+    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int,
+                         sequence_parallel: bool = False) -> dict[str, Any] | None:
         """The model's own tensor-parallel plan (``base_model_tp_plan`` and ``lm_head``), translated to torch's
         styles: attention by heads (tp must divide the query and key/value heads), MLP by hidden units, untied
-        embedding and head by vocabulary. Override it to split a model otherwise."""
-        return hf_layer_plan(self.hf_model, layer, tensor_parallel)
+        embedding and head by vocabulary; with `sequence_parallel`, norms on sequence shards between them. Override
+        it to split a model otherwise."""
+        return hf_layer_plan(self.hf_model, layer, tensor_parallel, sequence_parallel)
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

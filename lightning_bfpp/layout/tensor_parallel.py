@@ -1,11 +1,14 @@
 # Scope: tensor parallel inside the pipeline stages (its layout rule, tp innermost within one node, is in
 # ``schedule.dims``). The model's per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name)
 # checked before launch, and its application to each local stage's layers (torch's parallelize_module over the
-# tp mesh) before FSDP shards the stage over data parallel. What crosses stages stays the full activation: plans end layers replicated.
+# tp mesh) before FSDP shards the stage over data parallel. What crosses stages: the whole activation, or with
+# sequence parallel each tp rank's sequence shard (B, T/tp, ...): plans then start and end layers on shards.
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatch
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,92 @@ from .partition import layer_names
 
 HOOK = "pipeline_tp_plan"
 Plans = dict[int, tuple[str, nn.Module, dict]]  # id(layer) -> (layer name, layer, {submodule pattern: ParallelStyle})
+SEQUENCE_DIM = 1  # sequence parallel splits activations (B, T, ...) along T
+
+
+def _replicated(x: Any, mesh: DeviceMesh, sharded: bool, local: bool) -> Any:
+    """`x` as one tensor replicated over tp: all-gathered from this rank's sequence shard (`sharded`; its gradient
+    reduce-scattered in backward), or, already whole, marked replicated (no communication; its gradient, summed over
+    every reader, all-reduced once). A DTensor, or its local tensor with `local`."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (Shard(SEQUENCE_DIM) if sharded else Replicate(),), run_check=False)
+    x = x.redistribute(mesh, (Replicate(),))
+    return x.to_local() if local else x
+
+
+def _replicate_first_input(sharded: bool, use_local_output: bool):
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedInput(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            first = next(iter(inspect.signature(module.forward).parameters))
+
+            def before(_module, args, kwargs):
+                if args:
+                    return (_replicated(args[0], device_mesh, sharded, use_local_output), *args[1:]), kwargs
+                if first in kwargs:
+                    kwargs = {**kwargs, first: _replicated(kwargs[first], device_mesh, sharded, use_local_output)}
+                return args, kwargs
+
+            module.register_forward_pre_hook(before, with_kwargs=True)
+            return module
+
+        def __repr__(self) -> str:
+            return f"{type(self).__name__}(sharded={sharded}, use_local_output={use_local_output})"
+
+    return ReplicatedInput()
+
+
+def sequence_gather(use_local_output: bool = False):
+    """A ParallelStyle for a module that needs the whole sequence (attention, an MLP, an output head): its first
+    input, a sequence shard on each tp rank (positional or keyword, as its caller passes it), is all-gathered before
+    it runs. It stays a replicated DTensor for column-wise children (one reduce-scatter of their summed input
+    gradients in backward), or becomes a plain tensor with `use_local_output` (a module computed whole)."""
+    return _replicate_first_input(sharded=True, use_local_output=use_local_output)
+
+
+def shared_input():
+    """A ParallelStyle for a module whose column-wise children read one whole input (attention's q/k/v, an MLP's
+    gate and up projections), without sequence parallel: the input is handed on as one replicated DTensor, so their
+    input gradients are summed locally and all-reduced once, not once per child."""
+    return _replicate_first_input(sharded=False, use_local_output=False)
+
+
+def replicated_output():
+    """A ParallelStyle for a module (a norm) whose output column-wise modules read, without sequence parallel: its
+    output becomes one replicated DTensor (no communication), so their input gradients are all-reduced once."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False)
+
+
+def sequence_parallel_norm(gather_output: bool = False):
+    """torch's SequenceParallel for a norm (or dropout): it runs on this rank's sequence shard, its weights
+    replicated and their gradients summed over tp. With `gather_output` its output is all-gathered for the
+    column-wise modules reading it (Megatron's all-gather after the norm), a replicated DTensor."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    class GatheredSequenceParallel(SequenceParallel):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            module = super()._apply(module, device_mesh)
+            module.register_forward_hook(lambda _m, _args, out: _replicated(out, device_mesh, True, False))
+            return module
+
+    return GatheredSequenceParallel() if gather_output else SequenceParallel()
+
+
+def sequence_scatter():
+    """A ParallelStyle for a layer computed whole (an embedding): its output, the same on every tp rank, is cut to
+    this rank's sequence shard (a local slice; the gradient is all-gathered back)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput
+
+    return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(SEQUENCE_DIM))
 
 
 def _split_dim(module: nn.Module, style) -> int | None:
@@ -30,13 +119,31 @@ def _split_dim(module: nn.Module, style) -> int | None:
     return None
 
 
-def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: int) -> Plans:
-    """Every layer's plan from ``root.pipeline_tp_plan(layer_name, layer, tensor_parallel)``, checked: each key
-    names (or matches, with ``*``) a submodule, or is "" for the layer itself; each value is a torch ParallelStyle;
-    split dimensions divide by tp; no split parameter is shared (tied) with another module. Raises naming the layer
-    and the rule."""
-    from torch.distributed.tensor.parallel import ParallelStyle
+def resolve_sequence_parallel(sequence_parallel: bool | None, tensor_parallel: int) -> bool:
+    """``BFPPStrategy(sequence_parallel=)`` checked against tensor_parallel; None: off."""
+    if sequence_parallel not in (None, True, False):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True, False or None (off).")
+    if sequence_parallel and not (isinstance(tensor_parallel, int) and tensor_parallel > 1):
+        raise ValueError(f"sequence_parallel=True splits the sequence over the tensor-parallel ranks, and "
+                         f"tensor_parallel={tensor_parallel}: set tensor_parallel > 1, or sequence_parallel=False.")
+    return bool(sequence_parallel)
 
+
+def check_sequence_length(inputs: Any, tensor_parallel: int) -> None:
+    """Under sequence parallel each tp rank holds 1/tp of the sequence (dim 1 of the first input): it must divide."""
+    first = inputs[0] if isinstance(inputs, tuple) else inputs
+    if isinstance(first, torch.Tensor) and (first.dim() < 2 or first.shape[SEQUENCE_DIM] % tensor_parallel):
+        length = first.shape[SEQUENCE_DIM] if first.dim() >= 2 else None
+        raise ValueError(
+            f"sequence_parallel=True splits the sequence (dim {SEQUENCE_DIM} of the first input, shape "
+            f"{tuple(first.shape)}) over tensor_parallel={tensor_parallel} ranks, and its length {length} does not "
+            f"divide by {tensor_parallel}: use sequences (model.block_size / the data's length) divisible by "
+            f"{tensor_parallel}, or sequence_parallel=False."
+        )
+
+
+def _plan_hook(root: nn.Module, tensor_parallel: int, sequence_parallel: bool):
+    """``root.pipeline_tp_plan`` as a function of (layer name, layer), asked for sequence-parallel plans when on."""
     model = type(root).__name__
     hook = getattr(root, HOOK, None)
     if not callable(hook):
@@ -45,13 +152,44 @@ def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: i
             "each layer's plan ({submodule name: ColwiseParallel() | RowwiseParallel() | ...}, or None to keep a layer "
             "whole); see lightning_bfpp.PipelineHooks (README: Tensor parallel), or set tensor_parallel=1."
         )
+    if not sequence_parallel:
+        return lambda name, layer: hook(name, layer, tensor_parallel)
+    params = inspect.signature(hook).parameters
+    if "sequence_parallel" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        raise TypeError(
+            f"sequence_parallel=True: `{model}.{HOOK}` takes no `sequence_parallel` argument, so its plans keep "
+            "activations whole. Add `sequence_parallel: bool = False` and return sequence-parallel plans when it is "
+            "True (README: Sequence parallel), or set sequence_parallel=False."
+        )
+    return lambda name, layer: hook(name, layer, tensor_parallel, sequence_parallel=True)
+
+
+def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: int,
+                sequence_parallel: bool = False) -> Plans:
+    """Every layer's plan from ``root.pipeline_tp_plan(layer_name, layer, tensor_parallel[, sequence_parallel=True])``,
+    checked: each key names (or matches, with ``*``) a submodule, or is "" for the layer itself; each value is a
+    torch ParallelStyle; split dimensions divide by tp; no split parameter is shared (tied) with another module;
+    with `sequence_parallel`, every layer has a plan (its input and output are sequence shards). Raises naming the
+    layer and the rule."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+    distributes_params = (ColwiseParallel, RowwiseParallel, SequenceParallel)  # the styles that make weights DTensors
+    model = type(root).__name__
+    hook = _plan_hook(root, tensor_parallel, sequence_parallel)
     names: dict[int, list[str]] = {}
     for name, p in root.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     prefix = {id(m): n for n, m in root.named_modules() if n}
     plans: Plans = {}
     for layer, name in zip(layers, layer_names(root, layers)):
-        plan = hook(name, layer, tensor_parallel)
+        plan = hook(name, layer)
+        if not plan and sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True: {model}.{HOOK}({name!r}, ...) returned no plan, so {name} would run on "
+                "a sequence shard as if it were the whole sequence. Give it a plan that gathers the sequence where "
+                "it needs it (lightning_bfpp.layout.tensor_parallel.sequence_gather) and returns shards, or set "
+                "sequence_parallel=False."
+            )
         if not plan:
             continue
         if not isinstance(plan, dict):
@@ -76,7 +214,7 @@ def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: i
                         f"dim {dim}, which tensor_parallel={tensor_parallel} does not divide; choose a tensor_parallel "
                         "dividing it, or leave this submodule out of the plan."
                     )
-                for p_name, p in sub.named_parameters():
+                for p_name, p in sub.named_parameters() if isinstance(style, distributes_params) else ():
                     if len(names.get(id(p), ())) > 1:
                         full = f"{prefix.get(id(sub), name + '.' + sub_name)}.{p_name}"
                         others = [n for n in names[id(p)] if n != full]

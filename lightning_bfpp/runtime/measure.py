@@ -38,6 +38,7 @@ def step_stats(runner: Any, params: Iterable[torch.Tensor], grads: Iterable[torc
         "grad_bytes": local_bytes(grads),
         "optimizer_bytes": optimizer_bytes(optimizers),
         "activation_peak_bytes": runner.meter.peak,
+        "p2p_message_bytes": runner.message_bytes,  # one activation message (its gradient is as large)
         **(runner.compiled.stats() if runner.compiled is not None else {}),
     }
     memory_keys = MEMORY_KEYS

@@ -137,13 +137,21 @@ def build_costs(
         stages.append(_stage_cost(layers, cluster, range(start, start + n), s % pp, dp, tp, micro_batch_size, sharding))
         start += n
     tokens = micro_batch_size * layers.seq
-    # with sequence parallel the stage-boundary activation is split over tp along the sequence (the next
-    # layer norm runs on the shard), so each tp rank sends its 1/tp; without it every tp rank sends it whole
-    element = layers.wire.messages if activation_bytes is None else activation_bytes
-    message = element * tokens * layers.width / (tp if sequence_parallel and tp > 1 else 1)
+    message = message_bytes(layers, micro_batch_size, tp, sequence_parallel, activation_bytes)
     p2p, inter_links = _p2p_links(cluster, pp, dp, tp, message)
     return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
                  cluster.step_overhead, tp, inter_links)
+
+
+def message_bytes(layers: Layers, micro_batch_size: int, tensor_parallel: int = 1, sequence_parallel: bool = False,
+                  activation_bytes: int | None = None) -> float:
+    """Bytes of one activation message between pipeline stages (its gradient is as large), per tp rank: the
+    micro-batch's tokens x width, whole on every tp rank, or (sequence parallel) each rank's 1/tp of the sequence.
+    `activation_bytes` per element (None: the layers' ``wire.messages``). The runtime reports what it sends as
+    ``step_stats["p2p_message_bytes"]``."""
+    element = layers.wire.messages if activation_bytes is None else activation_bytes
+    shards = tensor_parallel if sequence_parallel and tensor_parallel > 1 else 1
+    return element * micro_batch_size * layers.seq * layers.width / shards
 
 
 def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: int, tp: int, micro_batch_size: int,

@@ -43,7 +43,7 @@ class Candidate:
     sharding: str = "full"
     reshard_after_forward: bool = False
     tensor_parallel: int = 1
-    sequence_parallel: bool = False  # cost model only: the runtime has no sequence parallel yet
+    sequence_parallel: bool = False  # tensor_parallel > 1: activations between split modules and stages are sequence shards
     residency: str = "step"  # cost model only unless "step": FSDP weight residency (sim/residency.py)
     cache: int = 0  # stages kept gathered under residency="cache"
 
@@ -69,6 +69,7 @@ class Candidate:
             f"schedule.reshard_after_forward={str(self.reshard_after_forward).lower()}",
             f"schedule.tensor_parallel={self.tensor_parallel}",
         ]
+        out += ["schedule.sequence_parallel=true"] if self.sequence_parallel else []
         out += [f"model={model}"] if model else []
         out += [f"cluster={cluster}"] if cluster else []
         out += [f"data.batch_size={batch_size}"] if batch_size else []
@@ -120,7 +121,7 @@ def candidates(
     min_pipeline_parallel: int = 1,
     max_pipeline_parallel: int | None = None,
     tensor_parallels: Sequence[int] | None = None,
-    sequence_parallels: Sequence[bool] = (False,),
+    sequence_parallels: Sequence[bool] = (False, True),
     residencies: Sequence[str] = RESIDENCIES,
 ) -> Iterable[Candidate]:
     """Every legal layout using the whole cluster (world = pp * dp * tp, tp dividing a node's devices and the

@@ -42,7 +42,8 @@ def run_layout(trainer: L.Trainer) -> dict[str, Any]:
     if spec is None:
         return {"data_parallel": trainer.world_size}
     return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "data_parallel": strategy.data_parallel,
-            "tensor_parallel": strategy.tensor_parallel, "loops": spec.loops, "micro_batches": spec.micro_batches,
+            "tensor_parallel": strategy.tensor_parallel, "sequence_parallel": strategy.sequence_parallel,
+            "loops": spec.loops, "micro_batches": spec.micro_batches,
             "groups": spec.groups, "sharding": strategy.sharding, "reshard_after_forward": spec.reshard_after_forward,
             "stage_layers": strategy.stage_layers}
 
@@ -197,6 +198,8 @@ class PipelineMetrics(Callback):
         stats = getattr(strategy, "step_stats", None)
         if stats and stats.get("memory") is not None:
             out["memory"] = stats["memory"]
+        if stats and stats.get("p2p_message_bytes"):  # the largest activation message a pipeline rank sends
+            out["p2p_message_bytes"] = int(stats["p2p_message_bytes"])
         return out
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

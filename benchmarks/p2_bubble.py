@@ -1,6 +1,7 @@
 # Scope: P2 — measured bubble fraction (idle / compute on each rank's compute timeline, max over
 # ranks, from BFPPStrategy.step_stats; each rank's own too, and how unequal the ranks' compute is) per schedule vs the formula (pp-1)/(loops*m) for looped
-# schedules and (pp-1)/m otherwise; and P5's second half: peak saved-activation bytes per schedule.
+# schedules and (pp-1)/m otherwise (a third of it for breadth_first_zb, F:B = 1:2); and P5's second half: peak
+# saved-activation bytes per schedule; and each schedule's bubble, step period and activation peak / breadth-first's.
 from __future__ import annotations
 
 import statistics
@@ -10,11 +11,13 @@ from common import launch, rotate, summarize
 
 # name, schedule, loops
 SCHEDULES = [("breadth_first", "breadth_first", 2), ("depth_first", "depth_first", 2), ("gpipe", "gpipe", 1),
-             ("1f1b", "1f1b", 1)]
+             ("1f1b", "1f1b", 1), ("breadth_first_zb", "breadth_first_zb", 2)]
 
 
-def theory(pp: int, loops: int, m: int) -> float:
-    return (pp - 1) / (loops * m)
+def theory(pp: int, loops: int, m: int, schedule: str = "breadth_first") -> float:
+    """Idle / compute with uniform stages, backward = 2 x forward, free communication; zero bubble leaves only the
+    forward fill idle (the weight-gradient passes fill the rest)."""
+    return (pp - 1) / (loops * m) / (3 if schedule == "breadth_first_zb" else 1)
 
 
 def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: int, pp: int = 2,
@@ -48,8 +51,8 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             max(r["compute_s"] for r in s["timeline"].values()) / min(r["compute_s"] for r in s["timeline"].values())
             for s in stats))
     rows = {}
-    for label, _, loops, cut in labels:
-        expected = theory(pp, loops, micro_batches)
+    for label, schedule, loops, cut in labels:
+        expected = theory(pp, loops, micro_batches, schedule)
         measured = summarize(bubbles[label])
         rows[label] = {
             "loops": loops, "theory": expected, "measured": measured,
@@ -60,8 +63,11 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             "activation_peak_bytes": max(activations[label]),
             "activation_vs_breadth_first": None, "stage_layers": cut, "period_s": summarize(periods[label]),
         }
+    bf = rows["breadth_first"]
     for row in rows.values():
-        row["activation_vs_breadth_first"] = row["activation_peak_bytes"] / rows["breadth_first"]["activation_peak_bytes"]
+        row["activation_vs_breadth_first"] = row["activation_peak_bytes"] / bf["activation_peak_bytes"]
+        row["bubble_vs_breadth_first"] = row["measured"]["median"] / bf["measured"]["median"]
+        row["period_vs_breadth_first"] = row["period_s"]["median"] / bf["period_s"]["median"]
     return {"setting": {"model": model, "batch": batch, "pp": pp, "m": micro_batches, "rounds": rounds,
                         "steps": steps, "warmup": warmup, "processes": pp, "threads_per_process": 1},
             "schedules": rows, "max_abs_error": max(r["abs_error"] for r in rows.values() if r["stage_layers"] is None)}

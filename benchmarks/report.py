@@ -40,14 +40,15 @@ def tables(s: dict) -> str:
     if "p2" in d:
         out.append("\n**P2 bubble** (idle / compute, max over ranks; per-round median of steps, then median (min–max) over rounds)\n")
         out.append("| schedule | loops | formula | measured | abs error | each rank's bubble | busiest ÷ idlest rank's compute "
-                   "| busy share of schedule span | peak saved activations | vs breadth_first |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+                   "| busy share of schedule span | peak saved activations | vs breadth_first: activations | bubble | step |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in d["p2"]["schedules"].items():
             per_rank = " / ".join(f"{v['median']:.3f}" for v in r.get("bubble_per_rank", {}).values()) or "—"
             imbalance = f"{r['compute_max_over_min_rank']['median']:.3f}" if "compute_max_over_min_rank" in r else "—"
             out.append(f"| {name} | {r['loops']} | {r['theory']:.3f} | {fmt(r['measured'])} | {r['abs_error']:.3f} | "
                        f"{per_rank} | {imbalance} | {r['busy_fraction_of_step']['median']:.3f} | "
-                       f"{r['activation_peak_bytes'] / MiB:.2f} MiB | {r['activation_vs_breadth_first']:.2f} |")
+                       f"{r['activation_peak_bytes'] / MiB:.2f} MiB | {r['activation_vs_breadth_first']:.2f} | "
+                       f"{r.get('bubble_vs_breadth_first', float('nan')):.2f} | {r.get('period_vs_breadth_first', float('nan')):.2f} |")
     if "p4" in d:
         p4 = d["p4"]
         out.append("\n**P4 scaling** (one process, one thread vs pp=2 with one thread per rank)\n")

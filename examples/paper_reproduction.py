@@ -27,6 +27,8 @@ BETAS = (0.125, 0.25, 0.5, 1, 2, 4, 8)  # batch size (sequences) per GPU
 SP = (False, True)
 MODES = {
     "breadth_first": (["breadth_first"], ["full"], SimOptions(), (2, None), None, SP),
+    # breadth-first with each backward split, the weight-gradient passes filling idle time (zero bubble)
+    "breadth_first_zb": (["breadth_first_zb"], ["full"], SimOptions(), (2, None), None, SP),
     "depth_first": (["depth_first"], ["full"], SimOptions(), (2, None), None, SP),
     "1f1b": (["1f1b"], ["full"], SimOptions(), (2, None), None, SP),
     "gpipe": (["gpipe"], ["full"], SimOptions(), (2, None), None, SP),
@@ -38,7 +40,8 @@ MODES = {
     # all-gather after the last backward, not overlapped; blocking p2p (sim.MEGATRON).
     "megatron_like": (["1f1b", "depth_first"], ["optimizer"], MEGATRON, (1, None), (8,), (True,)),
     # the planner's pick: every schedule, pp, tp, sharding (full / none), weight residency
-    "planner": (["gpipe", "1f1b", "depth_first", "breadth_first"], ["full", "none"], SimOptions(), (1, None), None, SP),
+    "planner": (["gpipe", "1f1b", "depth_first", "breadth_first", "breadth_first_zb"], ["full", "none"], SimOptions(),
+                (1, None), None, SP),
 }
 
 

@@ -69,7 +69,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             and a reduce-scatter cost more than one all-reduce (README "Sequence parallel", BENCHMARKS.md).
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
-        schedule: "breadth_first" (default), "depth_first", "gpipe" or "1f1b".
+        schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb" (breadth-first
+            with each backward split into input- and weight-gradient passes, the weight passes filling idle time).
         groups: breadth_first only: sequential accumulation groups of micro-batches (default 1).
         sharding: "full" (FSDP2 over data parallel; default) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward (default False).

@@ -40,6 +40,11 @@ WORLD4 = [
     {"pp": 1, "loops": 2, "m": 2, "tied": True},
     # built on the meta device (trainer.init_module(empty_init=True)): each rank initializes its own stages only
     {"pp": 2, "loops": 2, "m": 2, "tied": True, "meta": True},
+    # zero-bubble breadth-first (backward split into input- and weight-gradient passes): pp 4 and 2, loops 1 and 2,
+    # dp 1 and 2 (with WORLD2)
+    {"pp": 4, "loops": 2, "m": 4, "schedule": "breadth_first_zb"},
+    {"pp": 4, "loops": 1, "m": 4, "schedule": "breadth_first_zb"},
+    {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "tied": True, "clip": 0.05, "trace": True},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -57,6 +62,9 @@ WORLD2 = [
     {"pp": 1, "loops": 2, "m": 2, "tied": True, "meta": True},
     # layers built in configure_model, on the meta device, the head registered first (it initializes the tied weight)
     {"pp": 2, "loops": 2, "m": 2, "tied": True, "meta": "configure_model"},
+    # zero-bubble breadth-first: activation checkpointing recomputes each layer in both backward passes
+    {"pp": 2, "loops": 2, "m": 4, "schedule": "breadth_first_zb", "ac": True, "groups": 2},
+    {"pp": 2, "loops": 1, "m": 2, "schedule": "breadth_first_zb", "sharding": "none"},
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {

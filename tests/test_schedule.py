@@ -25,7 +25,7 @@ def test_every_legal_combination_validates_and_illegal_ones_are_rejected():
     built = rejected = 0
     for name, pp, loops, m in itertools.product(SCHEDULES, range(1, 9), range(1, 5), range(1, 17)):
         spec = ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m)
-        looped_ok = name in ("breadth_first", "depth_first") or loops == 1
+        looped_ok = name in ("breadth_first", "depth_first", "breadth_first_zb") or loops == 1
         expected = looped_ok and not (name == "depth_first" and loops > 1 and m % pp)  # looped BF: any m (m < pp: bubble)
         assert _legal(spec) == expected, spec
         if not expected:
@@ -36,7 +36,8 @@ def test_every_legal_combination_validates_and_illegal_ones_are_rejected():
             stages = sorted({a.stage for a in sched.compute_actions(rank)})
             assert stages == spec.local_stages(rank)
         built += 1
-    assert built == 1022 and rejected == 1026  # counted once by hand-checked rules above (+84: looped BF with m < pp)
+    # counted once by hand-checked rules above (+84: looped BF with m < pp; +512: breadth_first_zb, legal as BF is)
+    assert built == 1534 and rejected == 1026
 
 
 @pytest.mark.parametrize("variant", [{"reshard_after_forward": True}, {"forward_only": True}, {"groups": 2}])
@@ -182,3 +183,43 @@ def test_lowered_lists_pair_every_send_with_a_receive():
     sends = sum(a.op in (Op.SEND_F, Op.SEND_B) for r in acts.values() for a in r)
     recvs = sum(a.op in (Op.RECV_F, Op.RECV_B) for r in acts.values() for a in r)
     assert sends == recvs == 2 * 8 * (spec.num_stages - 1)
+
+
+def test_breadth_first_zb_splits_each_backward_and_fills_half_the_bubble():
+    """Zero-bubble breadth-first: every backward is an input-gradient pass I and, later on the same rank, a
+    weight-gradient pass W; a stage's gradients are reduced after its last W. With unit costs (F = 1, B = 2 split
+    into I = W = 1) at pp=4, loops=2, m=8 its simulated bubble is below half of breadth-first's, at the same
+    activation peak."""
+    from lightning_bfpp.sim import evaluate, unit_costs
+
+    for pp, loops, m, groups in itertools.product((1, 2, 4), (1, 2, 3), (1, 4, 8), (1, 2)):
+        spec = ScheduleSpec("breadth_first_zb", pipeline_parallel=pp, loops=loops, micro_batches=m, groups=groups)
+        if m % groups:
+            continue
+        for rank, actions in build_schedule(spec).actions.items():
+            ops = Counter(a.op for a in actions)
+            assert ops[Op.BACKWARD] == 0 and ops[Op.BACKWARD_INPUT] == ops[Op.BACKWARD_WEIGHT] == loops * m
+            position = {(a.op, a.stage, a.micro_batch): i for i, a in enumerate(actions)}
+            for s in spec.local_stages(rank):
+                assert all(position[(Op.BACKWARD_INPUT, s, k)] < position[(Op.BACKWARD_WEIGHT, s, k)] for k in range(m))
+                assert position[(Op.REDUCE_GRAD, s, None)] > max(position[(Op.BACKWARD_WEIGHT, s, k)] for k in range(m))
+    results = {}
+    for name in ("breadth_first", "breadth_first_zb"):
+        spec = ScheduleSpec(name, pipeline_parallel=4, loops=2, micro_batches=8)
+        results[name] = evaluate(build_schedule(spec), unit_costs(spec.num_stages, 4))
+    bf, zb = results["breadth_first"], results["breadth_first_zb"]
+    assert zb.pipeline_bubble < 0.5 * bf.pipeline_bubble, (zb.pipeline_bubble, bf.pipeline_bubble)
+    assert (bf.step_time, zb.step_time) == (57, 51)  # 48 units of work per rank; zb: only the 3-tick pipeline fill idles
+    peak = lambda r: max(x.category_peak["activations"] for x in r.memory)  # noqa: E731
+    assert peak(zb) == peak(bf)
+
+
+def test_validator_rejects_a_weight_pass_before_its_input_pass():
+    sched = build_schedule(ScheduleSpec("breadth_first_zb", pipeline_parallel=2, loops=2, micro_batches=2))
+    i, w = Action(0, Op.BACKWARD_INPUT, 1), Action(0, Op.BACKWARD_WEIGHT, 1)
+    with pytest.raises(ScheduleError, match=r"0W1 waits for its input-gradient pass 0I1"):
+        validate(_swap(sched, 0, i, w))
+    early_reduce = _edit(sched, 0, lambda a: [x for x in a if x != Action(0, Op.REDUCE_GRAD)][:-2] +
+                         [Action(0, Op.REDUCE_GRAD)] + [x for x in a if x != Action(0, Op.REDUCE_GRAD)][-2:])
+    with pytest.raises(ScheduleError, match=r"reduces gradients of stage 0 after 1/2 backwards"):
+        validate(early_reduce)

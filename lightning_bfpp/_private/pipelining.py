@@ -31,6 +31,8 @@ if not (
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,
     Op.BACKWARD: _torch_schedules._ComputationType.FULL_BACKWARD,
+    Op.BACKWARD_INPUT: _torch_schedules._ComputationType.BACKWARD_INPUT,  # stage_backward_input
+    Op.BACKWARD_WEIGHT: _torch_schedules._ComputationType.BACKWARD_WEIGHT,  # stage_backward_weight
     Op.UNSHARD: _torch_schedules._ComputationType.UNSHARD,
     Op.RESHARD: _torch_schedules._ComputationType.RESHARD,
     Op.REDUCE_GRAD: _torch_schedules._ComputationType.REDUCE_GRAD,
@@ -93,11 +95,12 @@ def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
 
 def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, Any], None],
                        enabled: Callable[[], bool], clock: Callable[[], Any] = time.perf_counter) -> None:
-    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"; the clock before and after) around each
-    forward/backward the runtime runs on `stage` while ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
+    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"/"W"; the clock before and after) around each
+    forward, backward (or its input-gradient part) and weight-gradient part the runtime runs on `stage` while
+    ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
     (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
     backward, which the runtime runs through autograd outside any module call) and profiler spans (need the profiler on)."""
-    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
         inner = getattr(stage, name)
 
         def timed(mb, *args, _inner=inner, _kind=kind, **kwargs):

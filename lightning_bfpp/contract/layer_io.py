@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -18,6 +18,20 @@ BOUNDARY_RULE = (
     "per-micro-batch values such as position ids, rotary cos/sin or an attention mask in pipeline_side_inputs(inputs): "
     "every stage computes them from the micro-batch's inputs and they never cross stages"
 )
+
+
+class _EachTime:
+    """A context manager entered afresh each time (``factory()``'s), so that it can be used more than once."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory, self.open = factory, []
+
+    def __enter__(self) -> Any:
+        self.open.append(self.factory())
+        return self.open[-1].__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.open.pop().__exit__(*exc)
 
 
 class LayerCall:
@@ -44,8 +58,10 @@ class LayerCall:
 
     def recompute_contexts(self) -> tuple[Any, Any]:
         """Activation checkpointing's (forward, recompute) contexts: the recompute in backward leaves the layer's
-        buffers as the forward left them (BatchNorm would otherwise update its running statistics twice)."""
-        return nullcontext(), buffers_kept(self.layer)
+        buffers as the forward left them (BatchNorm would otherwise update its running statistics twice). The
+        recompute context can be entered more than once: a split backward (breadth_first_zb's input- and
+        weight-gradient passes) recomputes the layer in each."""
+        return nullcontext(), _EachTime(lambda: buffers_kept(self.layer))
 
     def arguments(self, value: Any, side: Mapping[str, Any] | None) -> tuple[tuple, dict[str, Any]]:
         """(args, kwargs) for this layer from the previous layer's output `value` and the side inputs."""

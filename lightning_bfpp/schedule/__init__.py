@@ -11,6 +11,7 @@ May import: nothing else of the package, no third-party package (the standard li
 from __future__ import annotations
 
 from .actions import (
+    BREADTH_FIRST,
     COMPUTE_OPS,
     FSDP_OPS,
     LOOPED_SCHEDULES,
@@ -35,6 +36,6 @@ def build_schedule(spec: ScheduleSpec) -> Schedule:
 
 
 __all__ = [
-    "Action", "Op", "Schedule", "ScheduleError", "ScheduleSpec", "SCHEDULES", "LOOPED_SCHEDULES",
+    "Action", "Op", "Schedule", "ScheduleError", "ScheduleSpec", "SCHEDULES", "LOOPED_SCHEDULES", "BREADTH_FIRST",
     "COMPUTE_OPS", "FSDP_OPS", "P2P_OPS", "build_schedule", "check_spec", "compute_order", "lower", "validate",
 ]

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 
-SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
-LOOPED_SCHEDULES = ("breadth_first", "depth_first")
+SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b", "breadth_first_zb")
+LOOPED_SCHEDULES = ("breadth_first", "depth_first", "breadth_first_zb")
+BREADTH_FIRST = ("breadth_first", "breadth_first_zb")  # accumulation groups apply
 
 
 class ScheduleError(ValueError):
@@ -17,6 +18,8 @@ class ScheduleError(ValueError):
 class Op(str, Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # zero bubble: a backward's input-gradient part (what the previous stage waits for)
+    BACKWARD_WEIGHT = "W"  # ...and its weight-gradient part, after its I (deferred into idle time)
     UNSHARD = "UNSHARD"  # all-gather a stage's weights (FSDP), asynchronous: waited by the next compute
     RESHARD = "RESHARD"  # free the gathered weights (no communication)
     REDUCE_GRAD = "REDUCE_GRAD"  # gradient reduce-scatter over data parallel + 1/m scaling
@@ -26,7 +29,9 @@ class Op(str, Enum):
     RECV_B = "RECV_B"  # post the receive of a stage's output gradient
 
 
-COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
+COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+INPUT_GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_INPUT)  # produce a micro-batch's input gradient (sent to the previous stage)
+WEIGHT_GRAD_OPS = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # complete a micro-batch's weight gradients
 FSDP_OPS = (Op.UNSHARD, Op.RESHARD, Op.REDUCE_GRAD)
 P2P_OPS = (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
 
@@ -53,11 +58,12 @@ class ScheduleSpec:
     """The knobs of a pipeline schedule (plain values, Hydra-friendly).
 
     Attributes:
-        name: one of ``SCHEDULES``.
+        name: one of ``SCHEDULES``; "breadth_first_zb" is breadth-first with each backward split into its input-
+            and weight-gradient parts, the weight parts deferred into idle time (zero bubble).
         pipeline_parallel: number of pipeline ranks (pp).
         loops: stages per pipeline rank; stage ``s`` lives on rank ``s % pp``.
         micro_batches: micro-batches per optimizer step (m), split from the per-replica batch.
-        groups: breadth-first only — run the m micro-batches as ``groups`` sequential breadth-first
+        groups: breadth-first (and breadth_first_zb) only — run the m micro-batches as ``groups`` sequential breadth-first
             passes (accumulating gradients); divides activation memory, multiplies weight all-gathers.
         reshard_after_forward: FSDP policy — free gathered weights after a stage's forward pass and
             gather them again before its backward pass (less memory, twice the all-gathers).

@@ -2,7 +2,7 @@
 # and the legality rules of the schedule knobs. Communication is added later by `lower.py`.
 from __future__ import annotations
 
-from .actions import LOOPED_SCHEDULES, SCHEDULES, Action, Op, ScheduleError, ScheduleSpec
+from .actions import BREADTH_FIRST, LOOPED_SCHEDULES, SCHEDULES, Action, Op, ScheduleError, ScheduleSpec
 
 
 def check_spec(spec: ScheduleSpec, names=None) -> None:
@@ -25,9 +25,9 @@ def check_spec(spec: ScheduleSpec, names=None) -> None:
             f"{n('schedule')}={spec.name} is not looped: {n('loops')}={loops} must be 1 "
             f"(or use {n('schedule')}=breadth_first / depth_first for looped stages)."
         )
-    if groups != 1 and spec.name != "breadth_first":
-        raise ScheduleError(f"{n('groups')}={groups} (accumulation groups) needs {n('schedule')}=breadth_first; set "
-                            f"{n('groups')}=1.")
+    if groups != 1 and spec.name not in BREADTH_FIRST:
+        raise ScheduleError(f"{n('groups')}={groups} (accumulation groups) needs {n('schedule')}=breadth_first (or "
+                            f"breadth_first_zb); set {n('groups')}=1.")
     if m % groups:
         raise ScheduleError(
             f"{n('micro_batches')}={m} must be divisible by {n('groups')}={groups}; e.g. "
@@ -43,7 +43,10 @@ def check_spec(spec: ScheduleSpec, names=None) -> None:
 def compute_order(spec: ScheduleSpec) -> dict[int, list[Action]]:
     """For each pipeline rank, its forward/backward actions in execution order."""
     check_spec(spec)
+    if spec.name == "breadth_first_zb" and not spec.forward_only:
+        return _breadth_first_zb(spec)
     build = {
+        "breadth_first_zb": _breadth_first,  # forward only: breadth-first's forwards
         "breadth_first": _breadth_first,
         "gpipe": _breadth_first,  # one stage per rank: all forwards, then all backwards
         "1f1b": _one_f_one_b,
@@ -63,6 +66,55 @@ def _breadth_first(spec: ScheduleSpec, rank: int) -> list[Action]:
         if not spec.forward_only:
             order += [Action(s, Op.BACKWARD, mb) for s in reversed(stages) for mb in mbs]
     return order
+
+
+def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
+    """Breadth-first with each backward split (zero bubble, Qi et al. 2024) into its input-gradient pass I, which the
+    previous stage waits for, and its weight-gradient pass W, which nothing waits for. Each rank keeps breadth-first's
+    order of forwards and I passes, with one freedom: on its last local stage of a group (whose backward follows its
+    forwards at once, so its weights stay gathered either way) an I runs as soon as its input is there, between the
+    remaining forwards. A W waits until the rank would otherwise idle (oldest first); the rest follow the rank's last
+    I. The order is found by playing all ranks with unit times (F = I = W = 1) and instant messages."""
+    pp, last = spec.pipeline_parallel, spec.num_stages - 1
+    todo = {r: [Action(a.stage, Op.BACKWARD_INPUT if a.op == Op.BACKWARD else a.op, a.micro_batch)
+                for a in _breadth_first(spec, r)] for r in range(pp)}
+    last_local = {r: spec.local_stages(r)[-1] for r in range(pp)}
+    finished: dict[tuple[Op, int, int | None], int] = {}  # (op, stage, micro-batch) -> the tick it ends
+    order: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    deferred: dict[int, list[Action]] = {r: [] for r in range(pp)}
+
+    def ready(a: Action, tick: int) -> bool:
+        if a.op == Op.FORWARD:
+            need = [(Op.FORWARD, a.stage - 1, a.micro_batch)] if a.stage > 0 else []
+        else:
+            need = [(Op.FORWARD, a.stage, a.micro_batch)]
+            need += [(Op.BACKWARD_INPUT, a.stage + 1, a.micro_batch)] if a.stage < last else []
+        return all(finished.get(k, tick + 1) <= tick for k in need)
+
+    def pick(r: int, tick: int) -> Action | None:
+        head = todo[r][0]
+        if head.op == Op.FORWARD and head.stage == last_local[r]:  # an I of this stage may overtake its forwards
+            first_i = next(a for a in todo[r] if a.op == Op.BACKWARD_INPUT and a.stage == head.stage)
+            if ready(first_i, tick):
+                return first_i
+        return head if ready(head, tick) else None
+
+    tick = 0
+    while any(todo.values()):
+        for r in range(pp):
+            a = pick(r, tick) if todo[r] else None
+            if a is not None:
+                todo[r].remove(a)
+                if a.op == Op.BACKWARD_INPUT:
+                    deferred[r].append(Action(a.stage, Op.BACKWARD_WEIGHT, a.micro_batch))
+            elif deferred[r]:
+                a = deferred[r].pop(0)
+            else:
+                continue
+            order[r].append(a)
+            finished[(a.op, a.stage, a.micro_batch)] = tick + 1
+        tick += 1
+    return {r: order[r] + deferred[r] for r in range(pp)}
 
 
 def _interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:

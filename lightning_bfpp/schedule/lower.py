@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .actions import Action, Op, ScheduleSpec
+from .actions import INPUT_GRAD_OPS, WEIGHT_GRAD_OPS, Action, Op, ScheduleSpec
 
 
 @dataclass
@@ -27,7 +27,7 @@ def gathered_intervals(spec: ScheduleSpec, compute: list[Action]) -> list[_Inter
     per_group = spec.micro_batches // spec.groups
     spans: dict[tuple, list[int]] = {}
     for i, a in enumerate(compute):
-        key = (a.stage, a.micro_batch // per_group) + ((a.op,) if spec.reshard_after_forward else ())
+        key = (a.stage, a.micro_batch // per_group) + ((a.op == Op.FORWARD,) if spec.reshard_after_forward else ())
         spans.setdefault(key, [i, i])[1] = i
     intervals = sorted((_Interval(k[0], s, e) for k, (s, e) in spans.items()), key=lambda iv: iv.start)
     merged: list[_Interval] = []
@@ -53,7 +53,8 @@ def add_fsdp(spec: ScheduleSpec, compute: list[Action]) -> list[list[Action]]:
     """Per compute action: the FSDP actions to run before it, then itself, then those after it.
 
     UNSHARD of the next interval is issued when the current one starts (prefetch: the all-gather runs
-    while this stage computes); REDUCE_GRAD right after a stage's last backward; RESHARD at interval end.
+    while this stage computes); REDUCE_GRAD right after a stage's last backward (or weight-gradient pass);
+    RESHARD at interval end.
     """
     intervals = gathered_intervals(spec, compute)
     slots: list[list[Action]] = [[] for _ in compute]
@@ -63,7 +64,7 @@ def add_fsdp(spec: ScheduleSpec, compute: list[Action]) -> list[list[Action]]:
     starts = defaultdict(list)
     for k, iv in enumerate(intervals):
         starts[iv.start].append(k)
-    last_backward = {} if spec.forward_only else {a.stage: i for i, a in enumerate(compute) if a.op == Op.BACKWARD}
+    last_backward = {} if spec.forward_only else {a.stage: i for i, a in enumerate(compute) if a.op in WEIGHT_GRAD_OPS}
 
     def unshard(k: int, into: list[Action]) -> None:
         if k in issued or intervals[k].stage in active:
@@ -96,7 +97,7 @@ def _message(a: Action, spec: ScheduleSpec) -> tuple[int, int, Action, Action] |
     if a.op == Op.FORWARD and a.stage + 1 < spec.num_stages:
         peer = a.stage + 1
         send, recv = Action(a.stage, Op.SEND_F, a.micro_batch), Action(peer, Op.RECV_F, a.micro_batch)
-    elif a.op == Op.BACKWARD and a.stage > 0:
+    elif a.op in INPUT_GRAD_OPS and a.stage > 0:
         peer = a.stage - 1
         send, recv = Action(a.stage, Op.SEND_B, a.micro_batch), Action(peer, Op.RECV_B, a.micro_batch)
     else:
@@ -146,7 +147,7 @@ def _needed_recv(a: Action, spec: ScheduleSpec) -> Action | None:
     if a.op == Op.FORWARD and a.stage > 0 and spec.stage_rank(a.stage - 1) != spec.stage_rank(a.stage):
         return Action(a.stage, Op.RECV_F, a.micro_batch)
     if (
-        a.op == Op.BACKWARD
+        a.op in INPUT_GRAD_OPS
         and a.stage + 1 < spec.num_stages
         and spec.stage_rank(a.stage + 1) != spec.stage_rank(a.stage)
     ):

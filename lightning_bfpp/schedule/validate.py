@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .actions import Action, Op, Schedule, ScheduleError, ScheduleSpec
+from .actions import INPUT_GRAD_OPS, WEIGHT_GRAD_OPS, Action, Op, Schedule, ScheduleError, ScheduleSpec
 
 _RECV_OF_SEND = {Op.SEND_F: (Op.RECV_F, +1), Op.SEND_B: (Op.RECV_B, -1)}
 
@@ -89,12 +89,14 @@ class _Run:
         if a.stage not in r.gathered:
             raise ScheduleError(f"rank {r.rank} computes {a} on stage {a.stage} without gathered weights (UNSHARD)")
         waiting = self._input_ready(r, a)
-        if not waiting and a.op == Op.BACKWARD:
+        if not waiting and a.op in WEIGHT_GRAD_OPS:
             r.backwards[a.stage] += 1
         return waiting
 
     def _input_ready(self, r: _Rank, a: Action) -> str | None:
         spec, s, mb = self.spec, a.stage, a.micro_batch
+        if a.op == Op.BACKWARD_WEIGHT:  # after its own input-gradient pass (which keeps what W needs)
+            return None if (s, Op.BACKWARD_INPUT, mb) in r.done else f"its input-gradient pass {s}I{mb}"
         if a.op == Op.FORWARD:
             if s == 0:
                 return None
@@ -107,14 +109,16 @@ class _Run:
             if s == spec.num_stages - 1:
                 return None
             if spec.stage_rank(s + 1) == r.rank:
-                return None if (s + 1, Op.BACKWARD, mb) in r.done else f"stage {s + 1} backward of micro-batch {mb}"
+                done = any((s + 1, op, mb) in r.done for op in INPUT_GRAD_OPS)
+                return None if done else f"stage {s + 1} backward of micro-batch {mb}"
             recv = Action(s, Op.RECV_B, mb)
         if recv not in r.posted:
             return f"receive {recv} (never posted before use)"
         return None if recv in self.arrived else f"data for {recv}"
 
     def _send(self, r: _Rank, a: Action) -> None:
-        if (a.stage, Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, a.micro_batch) not in r.done:
+        producers = (Op.FORWARD,) if a.op == Op.SEND_F else INPUT_GRAD_OPS
+        if not any((a.stage, op, a.micro_batch) in r.done for op in producers):
             raise ScheduleError(f"rank {r.rank} sends {a} before computing it")
         recv_op, delta = _RECV_OF_SEND[a.op]
         recv = Action(a.stage + delta, recv_op, a.micro_batch)
@@ -160,7 +164,9 @@ def _check_complete(schedule: Schedule, ranks: list[_Rank], sent, recvd) -> None
     for ch in set(sent) | set(recvd):
         if len(sent[ch]) != len(recvd[ch]):
             raise ScheduleError(f"rank pair {ch[0]}->{ch[1]}: {len(sent[ch])} sends but {len(recvd[ch])} receives")
-    ops = (Op.FORWARD,) if spec.forward_only else (Op.FORWARD, Op.BACKWARD, Op.REDUCE_GRAD)
+    split = any(a.op == Op.BACKWARD_INPUT for acts in schedule.actions.values() for a in acts)
+    backward = (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if split else (Op.BACKWARD,)
+    ops = (Op.FORWARD,) if spec.forward_only else (Op.FORWARD, *backward, Op.REDUCE_GRAD)
     for r in ranks:
         if r.gathered:
             raise ScheduleError(f"rank {r.rank} ends with stages {sorted(r.gathered)} still gathered (missing RESHARD)")

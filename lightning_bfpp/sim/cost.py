@@ -50,6 +50,8 @@ class StageCost:
     reduce: float = 0.0  # reduce-scatter (full) or all-reduce (none) of its gradients over dp
     reduce_host: float = 0.0  # host seconds at REDUCE_GRAD (1/m gradient scaling), not communication
     workspace: float = 0.0  # transient bytes while one of its backwards runs
+    weight_fraction: float = 0.5  # of `backward`, the weight-gradient part (a matmul's input and weight gradients
+    # cost the same FLOPs): breadth_first_zb's W pass; its I pass is the rest
     inter_node: bool = False  # its dp collectives cross nodes (they share the rank's network interface)
     weight_bytes: int = WEIGHT_BYTES  # per parameter of its gathered weights
     grad_bytes: int = GRAD_BYTES  # per parameter of its unsharded gradient
@@ -77,7 +79,8 @@ class Costs:
     def without_comm(self) -> Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
         stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host,
-                            workspace=s.workspace, weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes)
+                            workspace=s.workspace, weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes,
+                            weight_fraction=s.weight_fraction)
                   for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
                      self.flops_per_token, self.step_overhead, self.tensor_parallel)

@@ -1,5 +1,5 @@
 # Scope: Gantt picture of one training step — one compute lane per pipeline rank (colour per stage,
-# forward light, backward dark and hatched, micro-batch numbers in the boxes) and a thin comm lane under
+# forward light, backward (or its input part I) dark and hatched, weight part W dotted, micro-batch numbers in the boxes) and a thin comm lane under
 # it (FSDP all-gather, gradient reduction, p2p sends). Times come from the simulator's timeline.
 from __future__ import annotations
 
@@ -60,17 +60,18 @@ def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: in
     n_stages = num_stages or (max(e.stage for e in events) + 1)
     cmap = plt.get_cmap("tab10" if n_stages <= 10 else "tab20")
     end = max(e.end for e in events)
-    width = min(max(8.0, 0.25 * sum(1 for e in events if e.kind in "FB") / max(len(ranks), 1)), 40.0)
+    width = min(max(8.0, 0.25 * sum(1 for e in events if e.kind in "FBIW") / max(len(ranks), 1)), 40.0)
     fig, ax = plt.subplots(figsize=(width, 1.0 + 0.9 * len(ranks)))
     lane, comm_h = 0.55, 0.3  # heights of the compute box and of a comm bar
     comm_style = {"UNSHARD": ("#3b7dd8", 0), "REDUCE": ("#d8563b", 1), "SEND_F": ("#888888", 2), "SEND_B": ("#888888", 2)}
     for e in events:
         y = (len(ranks) - 1 - ranks.index(e.rank)) * 1.0
-        if e.kind in ("F", "B"):
+        if e.kind in ("F", "B", "I", "W"):
             colour = cmap(e.stage % cmap.N)
             fwd = e.kind == "F"
+            hatch = {"F": None, "B": "//", "I": "//", "W": ".."}[e.kind]
             ax.barh(y + 0.2, e.end - e.start, left=e.start, height=lane, color=colour, alpha=0.55 if fwd else 1.0,
-                    edgecolor="black", linewidth=0.5, hatch=None if fwd else "//")
+                    edgecolor="black", linewidth=0.5, hatch=hatch)
             if e.end - e.start > end / 150:
                 ax.text((e.start + e.end) / 2, y + 0.2, str(e.micro_batch), ha="center", va="center", fontsize=7,
                         color="black", bbox=None if fwd else dict(boxstyle="square,pad=0.05", fc="white", lw=0, alpha=0.7))
@@ -87,6 +88,7 @@ def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: in
     handles = [Patch(facecolor=cmap(s % cmap.N), label=f"stage {s}") for s in range(min(n_stages, 20))]
     handles += [Patch(facecolor="white", edgecolor="black", label="forward (light)"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="backward (dark, hatched)"),
+                Patch(facecolor="white", edgecolor="black", hatch="..", label="weight gradient W (dotted)"),
                 Patch(facecolor="#3b7dd8", label="all-gather (FSDP)"), Patch(facecolor="#d8563b", label="grad reduce"),
                 Patch(facecolor="#888888", label="p2p send")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)

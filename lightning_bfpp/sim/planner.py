@@ -10,6 +10,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..schedule import (
+    BREADTH_FIRST,
     LOOPED_SCHEDULES,
     SCHEDULES,
     Schedule,
@@ -167,7 +168,7 @@ def _orders(schedules: Sequence[str], loops: Sequence[int], m: int, max_groups: 
         for lp in loops if name in LOOPED_SCHEDULES else (1,):
             if name == "depth_first" and lp == 1 and "1f1b" in schedules:
                 continue
-            for groups in divisors(m) if name == "breadth_first" else (1,):
+            for groups in divisors(m) if name in BREADTH_FIRST else (1,):
                 if groups <= max_groups and not (name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules):
                     yield name, lp, groups
 
@@ -208,7 +209,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
         params = sum(st.params for st in local)
         state = state_bytes(params, c.sharding, c.data_parallel)
         act = sum(st.activation for st in local)
-        if c.schedule in ("gpipe", "breadth_first"):
+        if c.schedule in ("gpipe", *BREADTH_FIRST):
             live = c.micro_batches // c.groups * act
         elif c.schedule == "1f1b" and rank == 0:
             live = min(pp, c.micro_batches) * act

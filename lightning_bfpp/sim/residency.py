@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..schedule import FSDP_OPS, Action, Op, Schedule
+from ..schedule.actions import WEIGHT_GRAD_OPS
 
 RESIDENCIES = ("step", "cache", "run")
 
@@ -67,7 +68,7 @@ def _fsdp_points(compute: list[Action], spans: list[tuple[int, int, int]]) -> tu
             unshard(k + 1, before[i])
         for k in ends[i]:
             stage, first, last = spans[k]
-            if any(compute[j].op is Op.BACKWARD for j in range(first, last + 1) if compute[j].stage == stage):
+            if any(compute[j].op in WEIGHT_GRAD_OPS for j in range(first, last + 1) if compute[j].stage == stage):
                 after[i].append(Action(stage, Op.REDUCE_GRAD))
             after[i].append(Action(stage, Op.RESHARD))
             active.discard(stage)

@@ -35,7 +35,7 @@ MEGATRON = SimOptions(blocking_p2p=True, reduce_at_end=True)
 
 
 class Event(NamedTuple):
-    """One interval on a rank's timeline. kind: F, B (compute), UNSHARD, REDUCE, SEND_F, SEND_B (comm)."""
+    """One interval on a rank's timeline. kind: F, B, I, W (compute), UNSHARD, REDUCE, SEND_F, SEND_B (comm)."""
 
     rank: int
     kind: str
@@ -98,7 +98,8 @@ class _Rank:
         self.grads: set[int] = set()  # stages holding an unsharded gradient
 
 
-_F, _B, _SEND, _UNSHARD, _RESHARD, _REDUCE = range(6)
+_F, _B, _I, _W, _SEND, _UNSHARD, _RESHARD, _REDUCE = range(8)
+_KIND = {_F: "F", _B: "B", _I: "I", _W: "W"}
 
 
 def _compile(schedule: Schedule) -> list[list[tuple]]:
@@ -114,12 +115,14 @@ def _compile(schedule: Schedule) -> list[list[tuple]]:
         prog = []
         for a in schedule.actions[rank]:
             op, s, mb = a.op, a.stage, a.micro_batch
-            if op is Op.FORWARD or op is Op.BACKWARD:
+            if op is Op.FORWARD or op is Op.BACKWARD or op is Op.BACKWARD_INPUT:
                 fwd = op is Op.FORWARD
                 need = None if (s == 0 if fwd else s == last) else (s, fwd, mb)
                 nxt = s + 1 if fwd else s - 1
                 local = (nxt, fwd, mb) if 0 <= nxt <= last and spec.stage_rank(nxt) == rank else None
-                prog.append((_F if fwd else _B, s, mb, need, local))
+                prog.append((_F if fwd else _B if op is Op.BACKWARD else _I, s, mb, need, local))
+            elif op is Op.BACKWARD_WEIGHT:  # after its own I, on this rank
+                prog.append((_W, s, mb, (s, "W", mb), None))
             elif op is Op.SEND_F or op is Op.SEND_B:
                 fwd = op is Op.SEND_F
                 dst = s + 1 if fwd else s - 1
@@ -178,7 +181,7 @@ class _Play:
         while r.pc < len(r.program):
             a = r.program[r.pc]
             code = a[0]
-            if code <= _B:
+            if code <= _W:
                 if not self.compute(r, a):
                     break
             elif code == _SEND:
@@ -216,9 +219,12 @@ class _Play:
             r.mem.append((t0, st.activation, "activations"))
             if self.schedule.spec.forward_only:
                 r.mem.append((t0 + dur, -st.activation, "activations"))
-        else:
-            dur = st.backward
-            r.mem.append((t0 + dur, -st.activation, "activations"))
+        else:  # a backward, or its input part I (the activations stay for W) or its weight part W
+            dur = st.backward * (1 - st.weight_fraction if code == _I else st.weight_fraction if code == _W else 1)
+            if code == _I:
+                self.inputs[(s, "W", mb)] = t0 + dur
+            else:
+                r.mem.append((t0 + dur, -st.activation, "activations"))
             if st.workspace:
                 r.mem += [(t0, st.workspace, "workspace"), (t0 + dur, -st.workspace, "workspace")]
             if self.full and s not in r.grads:
@@ -227,7 +233,7 @@ class _Play:
         r.host = t0 + dur
         r.busy += dur
         if self.events is not None:
-            self.events.append(Event(r.rank, "F" if code == _F else "B", s, mb, t0, r.host))
+            self.events.append(Event(r.rank, _KIND[code], s, mb, t0, r.host))
         if local is not None:
             self.inputs[local] = r.host
         return True

@@ -49,11 +49,13 @@ def _values(run_dir) -> tuple[float, ...]:
 @pytest.mark.slow
 def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
     """optim=sgd, same data and steps: plain Lightning (strategy=auto) and bfpp pp=1 (1 process), pp=2 x loops=2
-    (2), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's own validation_step)."""
+    (2, breadth_first and breadth_first_zb), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's own validation_step)."""
     layouts = {
         "auto": ["cluster=cpu_1", "trainer.strategy=auto"],
         "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
         "cpu4": ["cluster=cpu_4", "schedule.pipeline_parallel=4", "schedule.loops=1", "schedule.micro_batches=4"],
+        "cpu2-zb": ["cluster=cpu_2", "schedule=breadth_first_zb", "schedule.pipeline_parallel=2", "schedule.loops=2",
+                    "schedule.micro_batches=4"],  # zero-bubble breadth-first
     }
     losses = {"cpu1": _values(one_process)}
     for name, args in layouts.items():

@@ -56,6 +56,8 @@ WORLD4 = {
 WORLD8 = {
     "pp2-loops2-dp2-tp2-bf": {"pp": 2, "tp": 2, "loops": 2, "m": 2},
     "pp2-loops2-dp2-tp2-sp": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "sp": True},
+    "pp2-loops2-dp2-tp2-sp-zb": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "sp": True, "schedule": "breadth_first_zb",
+                                 "tied": True, "clip": 0.05},
     "pp2-dp2-tp2-1f1b": {"pp": 2, "tp": 2, "m": 2, "schedule": "1f1b"},
 }
 

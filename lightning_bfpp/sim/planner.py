@@ -209,8 +209,10 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
         params = sum(st.params for st in local)
         state = state_bytes(params, c.sharding, c.data_parallel)
         act = sum(st.activation for st in local)
-        if c.schedule in ("gpipe", *BREADTH_FIRST):
+        if c.schedule in ("gpipe", "breadth_first"):
             live = c.micro_batches // c.groups * act
+        elif c.schedule == "breadth_first_zb":  # its last local stage's weight passes may free some early
+            live = c.micro_batches // c.groups * (act - local[-1].activation) + local[-1].activation
         elif c.schedule == "1f1b" and rank == 0:
             live = min(pp, c.micro_batches) * act
         else:
@@ -228,11 +230,13 @@ def _family(c: Candidate) -> tuple:
 
 def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
     """Seconds no schedule can beat: pipeline rank r cannot start before stages 0..r-1 ran one forward, is
-    busy for its m forwards and backwards, and its last backward is followed by stages r-1..0's backward."""
+    busy for its m forwards and backwards, and its last backward is followed by stages r-1..0's backward (not under
+    breadth_first_zb: its own deferred weight-gradient passes may run while those do)."""
     st, pp, bound = costs.stages, c.pipeline_parallel, 0.0
+    tail = 0.0 if c.schedule == "breadth_first_zb" else 1.0
     for r in range(pp):
         busy = c.micro_batches * sum(x.forward + x.backward for x in st[r::pp])
-        edges = sum(x.forward + x.backward for x in st[:r])
+        edges = sum(x.forward + tail * x.backward for x in st[:r])
         bound = max(bound, edges + busy)
     return bound + costs.step_overhead
 

@@ -83,18 +83,22 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int,
         return sp_plan(model, layer, kinds, kind)
     plan = {sub: styles[style]() for sub, style in kinds.items()}
     if kind == "decoder" and plan:  # attention and MLP hand their input to q/k/v (gate/up) as one replicated tensor
-        plan.update({parent: shared_input() for parent in _readers(model, kinds)})
+        plan.update({parent: shared_input() for parent in _readers(model, kinds, required=False)})
     return plan or None
 
 
-def _readers(model: nn.Module, kinds: dict[str, str]) -> set[str]:
-    """The modules whose children are the column-wise projections (attention, MLP): they read the residual stream."""
+def _readers(model: nn.Module, kinds: dict[str, str], required: bool = True) -> set[str]:
+    """The modules whose children are the column-wise projections (attention, MLP): they read the residual stream.
+    Projections not grouped that way: none (not `required`: each projection then all-reduces its own input
+    gradient, as torch's ColwiseParallel does), or an error."""
     readers = {sub.rpartition(".")[0] for sub, style in kinds.items() if style == "colwise"}
     if "" in readers or len({r.rpartition(".")[0] for r in readers}) != 1:
+        if not required:
+            return set()
         raise ValueError(
-            f"tensor_parallel: {type(model).__name__}'s decoder layer has column-wise projections {sorted(kinds)} that "
-            "are not grouped under attention and MLP modules of one decoder; subclass CausalLM and return its plan "
-            "from pipeline_tp_plan."
+            f"sequence_parallel=True: {type(model).__name__}'s decoder layer has column-wise projections {sorted(kinds)} "
+            "that are not grouped under attention and MLP modules, so there is no module to gather the sequence for; "
+            "use sequence_parallel=False, or subclass CausalLM and return its plan from pipeline_tp_plan."
         )
     return readers
 

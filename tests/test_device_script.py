@@ -29,7 +29,7 @@ def test_device_script_dry_run_writes_every_part(tmp_path):
     assert report["dry_run"] is True and set(report["parts"]) == {"cpu", "gpu"}
     cpu, gpu = report["parts"]["cpu"], report["parts"]["gpu"]
     assert cpu["status"] == "ok" and gpu["status"] == "ok", (cpu["status"], gpu["status"])
-    assert set(cpu["p2"]["schedules"]) == {"breadth_first", "depth_first", "gpipe", "1f1b"}
+    assert set(cpu["p2"]["schedules"]) == {"breadth_first", "depth_first", "gpipe", "1f1b", "breadth_first_zb"}
     assert cpu["p4_pp2"]["speedup"]["median"] > 0 and len(cpu["torch_schedules"]["schedules"]) == 4
     variants = gpu["variants"]
     assert {"fsdp2", "bfpp loops=1 m=1", "bfpp loops=4 m=8", "fsdp2 compiled", "bfpp loops=1 m=1 compiled"} <= set(variants)

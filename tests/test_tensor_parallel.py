@@ -270,29 +270,46 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
     check_sequence_length(torch.zeros(2, 8, dtype=torch.long), 2)
 
 
+class _Collectives:
+    """Counts the functional collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, ...) dispatched
+    while active. (torch's CommDebugMode counts the same, but its module tracker's global hooks outlived a failed
+    forward and broke every later module call in the process.)"""
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "_c10d_functional" and func._opname not in ("wait_tensor", "_wrap_tensor_autograd"):
+                    counts[func._opname] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
 def collectives(module, plan: dict, x: torch.Tensor, **kwargs) -> tuple[dict[str, int], dict[str, int]]:
     """The collectives one forward and one backward of `module`, split by `plan` over 2 tensor-parallel ranks, issue
-    (counted by torch's CommDebugMode in this process, on the fake backend: nothing is sent). `x`: this rank's input."""
+    (counted in this process, on the fake backend: nothing is sent). `x`: this rank's input."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    forward, backward = _Collectives(), _Collectives()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         parallelize_module(module, init_device_mesh("cpu", (2,)), {k: v for k, v in plan.items() if k})
-        with CommDebugMode() as forward:
+        with forward.mode:
             out = module(x.requires_grad_(), **kwargs)
-        with CommDebugMode() as backward:
+        with backward.mode:
             (out[0] if isinstance(out, tuple) else out).sum().backward()
     finally:
         dist.destroy_process_group()
-
-    def names(mode) -> dict[str, int]:
-        return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
-
-    return names(forward), names(backward)
+    return dict(forward.counts), dict(backward.counts)
 
 
 # per block, what the simulator's cost model counts (sim.Model.layer_tp_comm): two all-reduces of the activation in

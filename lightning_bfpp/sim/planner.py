@@ -307,7 +307,7 @@ def search(
 
 
 def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
-    head = (f"{'#':>3} {'schedule':<13} {'pp':>3} {'dp':>4} {'tp':>3} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
+    head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'tp':>3} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
             f"{'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} {'exp.comm ms':>11}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(plans[:limit], 1):
@@ -315,7 +315,7 @@ def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
         bubble = "" if p.bubble is None else f"{p.bubble:.3f}"
         exposed = "" if p.exposed_comm is None else f"{p.exposed_comm * 1e3:.1f}"
         rows.append(
-            f"{i:>3} {c.schedule:<13} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}{'s' if c.sequence_parallel else ' '}{c.loops:>5} {c.micro_batches:>4} "
+            f"{i:>3} {c.schedule:<16} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}{'s' if c.sequence_parallel else ' '}{c.loops:>5} {c.micro_batches:>4} "
             f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
             f"{c.residency + (str(c.cache) if c.cache else ''):<6} "
             f"{p.tokens_per_second_per_device:>11.1f} {p.step_time * 1e3:>9.1f} {p.peak_memory / 1e9:>8.2f} "

@@ -79,9 +79,9 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int,
             kinds[sub_name] = style
     kind = "input" if any(m is embedding for m in layer.modules()) else \
         "output" if any(m is head for m in layer.modules()) else "decoder"
-    if sequence_parallel:
-        return sp_plan(model, layer, kinds, kind)
     plan = {sub: styles[style]() for sub, style in kinds.items()}
+    if sequence_parallel:
+        return sp_plan(model, layer, kinds, kind, plan)
     if kind == "decoder" and plan:  # attention and MLP hand their input to q/k/v (gate/up) as one replicated tensor
         plan.update({parent: shared_input() for parent in _readers(model, kinds, required=False)})
     return plan or None
@@ -103,8 +103,10 @@ def _readers(model: nn.Module, kinds: dict[str, str], required: bool = True) -> 
     return readers
 
 
-def sp_plan(model: nn.Module, layer: nn.Module, kinds: dict[str, str], kind: str) -> dict[str, Any]:
-    """The sequence-parallel plan of one pipeline layer, from its submodules' Hugging Face styles (`kinds`). The
+def sp_plan(model: nn.Module, layer: nn.Module, kinds: dict[str, str], kind: str,
+            plan: dict[str, Any]) -> dict[str, Any]:
+    """The sequence-parallel plan of one pipeline layer, from its submodules' Hugging Face styles (`kinds`) and their
+    translation without sequence parallel (`plan`). The
     input layer's output is cut to this rank's sequence shard (a row-wise embedding reduce-scatters its lookups);
     the output layer gathers the sequence first. In a decoder layer the parents of the column-wise projections
     (attention, MLP) gather the sequence, the row-wise projections reduce-scatter it back, and the layer's other
@@ -112,8 +114,7 @@ def sp_plan(model: nn.Module, layer: nn.Module, kinds: dict[str, str], kind: str
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import RowwiseParallel
 
-    styles = torch_styles()
-    out = {sub: styles[style]() for sub, style in kinds.items()}
+    out = dict(plan)
     to_shard = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM))
     if kind == "input":
         if kinds.get("") == "embedding_rowwise":  # the layer is the embedding: its lookups summed into shards

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_bfpp._private.versions import SUPPORTED, check_version
+from lightning_bfpp._private.versions import ALLOW_UNTESTED, SUPPORTED, check_version
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "lightning_bfpp"
@@ -74,6 +74,15 @@ def test_bridge_modules_check_the_version_at_import(bridge):
 def test_unsupported_torch_fails_naming_version_and_range(installed):
     with pytest.raises(ImportError, match=re.escape(f"torch>=2.13,<2.14; this is torch {installed}")):
         check_version("torch", installed)
+
+
+def test_untested_version_imports_with_a_warning_only_when_allowed(monkeypatch):
+    monkeypatch.setenv(ALLOW_UNTESTED, "0")
+    with pytest.raises(ImportError, match=f"or set {ALLOW_UNTESTED}=1"):
+        check_version("torch", "2.11.0")
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    with pytest.warns(UserWarning, match=re.escape("this is torch 2.11.0. Imported anyway")):
+        check_version("torch", "2.11.0")
 
 
 @pytest.mark.parametrize("distribution,installed", [("torch", "2.13.0+cpu"), ("torch", "2.13.1"), ("lightning", "2.6.6"),

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The benchmarks are scripts run by path (benchmarks/ first on sys.path): the example's modules (procenv, gpt, data)
-# and the test launch helpers are imported by name, as under pytest (pyproject: pythonpath). The workers get the
-# same through procenv.clean_env's PYTHONPATH.
-sys.path[1:1] = [str(ROOT / "examples"), str(ROOT / "tests")]
+# The benchmarks are scripts run by path (benchmarks/ first on sys.path): the package (installed or not: a bare
+# checkout on a lent GPU machine), the example's modules (procenv, gpt, data) and the test launch helpers are imported
+# by name, as under pytest (pyproject: pythonpath). The workers get the same through procenv.clean_env's PYTHONPATH.
+sys.path[1:1] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 import procenv  # noqa: E402
 from procenv import free_port  # noqa: E402
 

@@ -22,10 +22,12 @@ def free_port() -> int:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment minus launcher variables, with the repository and examples/ on PYTHONPATH (a
-    worker imports the example's modules by their names, `gpt`, `data`, as the scripts in examples/ do)."""
+    """This process's environment minus launcher variables, with the repository and examples/ first on PYTHONPATH
+    (a worker imports the example's modules by their names, `gpt`, `data`, as the scripts in examples/ do), then
+    this process's own PYTHONPATH entries."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
-    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples")]), **extra}
+    own = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(ROOT), str(ROOT / "examples"), *own])), **extra}
 
 
 def runqueue_wait() -> float:

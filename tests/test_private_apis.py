@@ -106,3 +106,15 @@ def test_readme_names_no_other_torch_range():
     readme = (ROOT / "README.md").read_text()
     lo, hi = SUPPORTED["torch"]
     assert set(re.findall(r"torch(?:==|>=)[0-9.,<>=]*[0-9]", readme)) <= {f"torch>={lo},<{hi}", "torch==2.13.0"}
+
+
+def test_torch_before_2_13_p2p_warmup_skips_stages_on_the_same_rank():
+    """The bridge for torch 2.11's runtime (ALLOW_UNTESTED): its p2p warm-up messaged a neighbour on the same rank."""
+    from types import SimpleNamespace
+
+    from lightning_bfpp._private.pipelining import no_p2p_warmup_to_itself
+
+    ops = [SimpleNamespace(group_peer=peer) for peer in (0, 1, 0, 1)]
+    stage = SimpleNamespace(group_rank=0, _get_init_p2p_neighbors_ops=lambda: ops)
+    no_p2p_warmup_to_itself(stage)
+    assert [op.group_peer for op in stage._get_init_p2p_neighbors_ops()] == [1, 1]

@@ -18,10 +18,14 @@ from ..schedule import Op, Schedule
 from .versions import check_version
 
 check_version("torch")
+# The stage method that runs the shape-inference forward: `_shape_inference` before torch 2.13 (reached only with
+# versions.ALLOW_UNTESTED, e.g. a GPU image's torch 2.11).
+_SHAPE_INFERENCE = next((name for name in ("_forward_metadata_inference", "_shape_inference")
+                         if hasattr(PipelineStage, name)), None)
 if not (
     hasattr(_torch_schedules, "_PipelineScheduleRuntime")
     and hasattr(getattr(_torch_schedules, "_ComputationType", None), "REDUCE_GRAD")
-    and hasattr(PipelineStage, "_forward_metadata_inference")
+    and _SHAPE_INFERENCE
 ):
     raise ImportError(
         f"lightning-bfpp needs torch.distributed.pipelining's schedule runtime with UNSHARD/RESHARD/REDUCE_GRAD "
@@ -65,6 +69,8 @@ def build_runtime(
     ]
     for stage in stages:
         leave_no_trace_of_shape_inference(stage)
+        if _SHAPE_INFERENCE == "_shape_inference":
+            no_p2p_warmup_to_itself(stage)
     runtime = _torch_schedules._PipelineScheduleRuntime(
         stages, n_microbatches=spec.micro_batches, loss_fn=loss_fn, scale_grads=True
     )
@@ -81,7 +87,7 @@ def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
     stages) and draw random numbers (dropout). Wrap ``_forward_metadata_inference`` (private: the only place that
     forward runs) so buffers are restored and the random state is forked. Public alternative checked: static
     shapes (``PipelineStage(input_args=..., output_args=...)``) need every stage's output shapes known up front."""
-    inner = stage._forward_metadata_inference
+    inner = getattr(stage, _SHAPE_INFERENCE)
     device = stage.device
 
     def isolated(*args, **kwargs):
@@ -90,7 +96,15 @@ def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
                 devices=accelerators, device_type=device.type if accelerators else "cuda"):
             return inner(*args, **kwargs)
 
-    stage._forward_metadata_inference = isolated
+    setattr(stage, _SHAPE_INFERENCE, isolated)
+
+
+def no_p2p_warmup_to_itself(stage: PipelineStage) -> None:
+    """Before torch 2.13 the runtime warmed p2p up with a message to each neighbouring stage, including a neighbour
+    on the same rank (loops > 1 with pp=1), which gloo refuses. Same-rank stages pass activations in-process: drop
+    those messages."""
+    inner = stage._get_init_p2p_neighbors_ops
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in inner() if op.group_peer != stage.group_rank]
 
 
 def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, Any], None],

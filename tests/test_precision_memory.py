@@ -147,9 +147,12 @@ def test_activation_checkpointing_under_bf16_mixed_changes_nothing(runs, name):
 def test_activation_checkpointing_cuts_saved_activation_bytes(runs, precision):
     """Peak saved-activation bytes per rank, without / with checkpointing. Expected from StackNet's layers
     (b rows of 16 floats per micro-batch): a Block saves its input, LayerNorm statistics, the normalised
-    input and tanh's output (200·b bytes in fp32) and only its input (64·b) when checkpointed: 3.1x; the
+    input and tanh's output (200·b bytes in fp32) and only its input (64·b) when checkpointed: 3.125x; the
     rank holding the head also keeps the head's input and the loss's log-softmax (84·b) either way: 2.5x.
-    Measured fp32: 3.65x (ranks 0, 1: stages 0 and 2) and 2.47x (ranks 2, 3: stages 1 and 3, with the head)."""
+    Under bf16-mixed the normalised input and tanh's output are bf16 (136·b, plus the bf16 copy of fc's weight
+    autocast makes): about 2.1-2.6x. Measured fp32: 3.12x (ranks 0, 1: stages 0 and 2) and 2.47x (ranks 2, 3:
+    stages 1 and 3, with the head); bf16-mixed 2.59x and 2.37x. (3.65x fp32 before the meter let go of tensors an
+    op saves of its own output: those outlived their graph.)"""
     key = "ac" if precision == "fp32" else "ac-bf16-mixed"
     without = runs[precision][0]["stats"]["memory"]
     with_ac = runs[key][0]["stats"]["memory"]
@@ -157,7 +160,11 @@ def test_activation_checkpointing_cuts_saved_activation_bytes(runs, precision):
     print(f"{precision}: saved-activation bytes per rank without / with checkpointing:",
           {rank: (without[rank]["activation_peak_bytes"], with_ac[rank]["activation_peak_bytes"], round(f, 2))
            for rank, f in factors.items()})
-    assert min(factors.values()) >= 2.2 and max(factors.values()) >= 3.0, factors
+    no_head, head = (factors[0], factors[1]), (factors[2], factors[3])
+    if precision == "fp32":
+        assert all(abs(f - 3.125) <= 0.05 for f in no_head) and all(2.3 <= f <= 2.6 for f in head), factors
+    else:
+        assert all(2.1 <= f <= 2.8 for f in no_head) and all(2.0 <= f <= 2.6 for f in head), factors
 
 
 # ---- no processes ----
@@ -223,3 +230,23 @@ def test_tied_copies_stay_identical_under_bf16_mixed_and_checkpointing(runs):
     assert len(copies) == DEVICES and all(len(c) == STEPS for c in copies)
     assert all(torch.equal(c[step], copies[0][step]) for c in copies for step in range(STEPS))
     assert copies[0][0].dtype == torch.float32
+
+
+def test_activation_meter_lets_go_of_what_a_retained_graph_saved():
+    """An op that saves its own output (log_softmax, softmax, attention) in a graph differentiated with
+    retain_graph=True, as breadth_first_zb's input-gradient pass does: the meter's hold must not keep it alive once
+    the graph is gone (it used to: a cycle through autograd's graph, growing every measured step)."""
+    import gc
+
+    from lightning_bfpp.runtime.instrument import SavedActivationMeter
+
+    layer = torch.nn.Linear(8, 16)
+    meter = SavedActivationMeter([layer])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.track():
+        loss = torch.nn.functional.cross_entropy(layer(x), torch.zeros(4, dtype=torch.long))
+    (grad,) = torch.autograd.grad(loss, x, retain_graph=True)
+    assert meter.current > 0
+    del loss
+    gc.collect()
+    assert meter.current == 0 and meter.peak >= 4 * 16 * 4

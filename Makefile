@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test bench clean
+.PHONY: install train test bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -30,5 +30,15 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
+# The documentation site (mkdocs.yml, docs/) into site/: --strict fails on a broken link, anchor or API reference.
+# Its tools are the [docs] extra, installed here only (`make train` and `make test` do not need them).
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs multirun wandb lightning_logs .pytest_cache
+	rm -rf $(VENV) outputs multirun wandb lightning_logs .pytest_cache site

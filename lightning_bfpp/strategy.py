@@ -66,7 +66,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             residual adds) and across stages are each tp rank's 1/tp of the sequence (Korthikanti et al. 2022): the
             model's ``pipeline_tp_plan`` is asked for sequence-parallel plans. The sequence length must divide by
             tensor_parallel. Default (None): off; measured 1.2x slower per step on CPU (gloo), where an all-gather
-            and a reduce-scatter cost more than one all-reduce (README "Sequence parallel", BENCHMARKS.md).
+            and a reduce-scatter cost more than one all-reduce (docs/tensor_parallel.md, BENCHMARKS.md).
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb" (breadth-first
@@ -95,8 +95,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             steps (``Trainer(log_every_n_steps=...)``) and the last step (``max_steps``); N every N-th step; 0 never.
             Other steps run without timing wrappers, saved-tensor hook or all-gather.
         trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file). Off by
-            default: only plain data and tensors load (also switched on by BFPP_TRUST_CHECKPOINTS=1). README
-            "Checkpoints" says what is safe to load from an untrusted source.
+            default: only plain data and tensors load (also switched on by BFPP_TRUST_CHECKPOINTS=1). docs/checkpoints.md
+            says what is safe to load from an untrusted source.
         on_signal: what SIGTERM, SIGINT and SLURM's requeue signal do while training: "save" (default) — every rank
             saves one checkpoint at the next step boundary they agree on, then the run stops (Lightning's
             ``SIGTERMException``, here ``lightning_bfpp.job.preempt.Preempted``) and the process exits 128 + N;
@@ -268,7 +268,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         # Lightning's plugin, as a subclass that clips by the global norm; under "bf16-mixed" with sharded stages
-        # FSDP2 computes in bf16 (``layout.fsdp.stage_mixed_precision``), so no autocast (README "Precision and memory")
+        # FSDP2 computes in bf16 (``layout.fsdp.stage_mixed_precision``), so no autocast (docs/precision.md)
         self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm, self._fsdp_mixed_precision)
 
     @property

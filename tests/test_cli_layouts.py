@@ -125,7 +125,7 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
         cfg = compose("train", overrides=COMMON + layout)
     model = GPT(GPTConfig(**{k: v for k, v in cfg.model.items() if k != "name"}))
     model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
-    loaded = GPT.load_from_checkpoint(out)  # as README shows: the hyperparameters travel with the weights
+    loaded = GPT.load_from_checkpoint(out)  # as docs/checkpoints.md shows: the hyperparameters travel with the weights
     assert loaded.cfg.n_layer == cfg.model.n_layer and loaded.optim.name == "sgd" and loaded.optim.lr == cfg.optim.lr
     assert all(torch.equal(t, loaded.state_dict()[k]) for k, t in model.state_dict().items())
     data = CorpusDataModule(**{k: v for k, v in cfg.data.items() if k != "name"})

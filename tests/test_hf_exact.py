@@ -40,7 +40,7 @@ TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp
 }
 TP_RUNS = [(launch, i, c) for launch, (_, configs) in TP_LAUNCHES.items() for i, c in enumerate(configs)
            if "precision" not in c]
-# sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow (README tolerance)
+# sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow (docs/precision.md: tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
 BF16_REL = 0.02
 

@@ -52,7 +52,7 @@ MODULES = [pytest.param(p, id=str(p.relative_to(PKG))) for p in sorted(PKG.rglob
 @pytest.mark.parametrize("path", MODULES)
 def test_private_apis_only_in_the_bridge_modules(path):
     found = private_uses(path.read_text())
-    assert not found, f"{path.relative_to(ROOT)} uses {found}: move them to {sorted(BRIDGES)} (README: private APIs)"
+    assert not found, f"{path.relative_to(ROOT)} uses {found}: move them to {sorted(BRIDGES)} (docs/development.md: private APIs)"
 
 
 def test_the_scan_sees_private_imports_and_attributes():
@@ -102,10 +102,11 @@ def test_pyproject_admits_exactly_the_checked_ranges():
         assert f"{distribution}>={lo},<{hi}" in dependencies, (distribution, dependencies)
 
 
-def test_readme_names_no_other_torch_range():
-    readme = (ROOT / "README.md").read_text()
+def test_readme_and_docs_name_no_other_torch_range():
     lo, hi = SUPPORTED["torch"]
-    assert set(re.findall(r"torch(?:==|>=)[0-9.,<>=]*[0-9]", readme)) <= {f"torch>={lo},<{hi}", "torch==2.13.0"}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        named = set(re.findall(r"torch(?:==|>=)[0-9.,<>=]*[0-9]", page.read_text()))
+        assert named <= {f"torch>={lo},<{hi}", "torch==2.13.0"}, (page.name, named)
 
 
 def test_torch_before_2_13_p2p_warmup_skips_stages_on_the_same_rank():

@@ -39,4 +39,4 @@ def check_version(distribution: str, installed: str | None = None) -> None:
                           "it is used.", stacklevel=2)
             return
         raise ImportError(f"{message} Install e.g. `pip install '{distribution}>={lo},<{hi}'`, or set "
-                          f"{ALLOW_UNTESTED}=1 to import anyway at your own risk (README: Development, private APIs).")
+                          f"{ALLOW_UNTESTED}=1 to import anyway at your own risk (docs/development.md: private APIs).")

@@ -70,6 +70,10 @@ def _optimizer_request(metadata, meta: dict, folder: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_bfpp.checkpoint CHECKPOINT OUT [--full] [--trust]``: `export` as a command. CHECKPOINT is a
+    folder written under ``strategy="bfpp"``, OUT the file to write; ``--full`` adds the optimizer state, loops,
+    callbacks and LR schedulers; ``--trust`` unpickles without restrictions. Exits with ``error: ...`` (status 1)
+    when the folder is not a complete, safe checkpoint."""
     p = argparse.ArgumentParser(
         prog="python -m lightning_bfpp.checkpoint",
         description="Export a bfpp (sharded) checkpoint folder to one plain state-dict file.",

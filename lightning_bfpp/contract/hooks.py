@@ -105,8 +105,8 @@ def default_init(name: str, module: nn.Module) -> None:
         raise TypeError(
             f"{name or 'the root module'} ({type(module).__name__}) holds {held} and has no reset_parameters(), so bfpp "
             "cannot initialize it after building it on the meta device. Define reset_parameters() on "
-            f"{type(module).__name__}, or pipeline_init_weights(name, module) on the LightningModule (README: Models "
-            "larger than one process)."
+            f"{type(module).__name__}, or pipeline_init_weights(name, module) on the LightningModule (docs/adapting.md: "
+            "Models larger than one process)."
         )
 
 
@@ -134,7 +134,7 @@ def check_hooks(module: nn.Module) -> None:
         if fn is None or getattr(fn, "__func__", None) is base:
             raise TypeError(
                 f"strategy='bfpp' needs `{type(module).__name__}.{hook}()`: "
-                "see lightning_bfpp.PipelineHooks for the contract (README: 'Adapting a model')."
+                "see lightning_bfpp.PipelineHooks for the contract (docs/adapting.md)."
             )
 
 
@@ -171,7 +171,7 @@ def describe_contract(module: nn.Module) -> str:
         "each training step runs the pipeline schedule with pipeline_loss per micro-batch and logs train_loss"
     as_written = [m for m in ("validation_step", "test_step", "predict_step") if is_overridden(m, module)]
     return (f"bfpp: {replaced}; training metrics: {metrics}; run as written on the last stage with self(x) = the "
-            f"pipeline's output: {', '.join(as_written) or 'none'} (README: Adapting a model).")
+            f"pipeline's output: {', '.join(as_written) or 'none'} (docs/adapting.md).")
 
 
 # what in a user's step only does something on global rank 0 (Lightning's rank-zero-only printing and loggers)
@@ -220,7 +220,7 @@ def forward_not_the_pipeline(module: nn.Module) -> str | None:
     return (f"bfpp: {type(module).__name__}.forward is never called under strategy='bfpp': training and self(x) in your "
             "steps run the layers of pipeline_layers() in order. Anything else forward does (another order, extra "
             "modules or arithmetic between layers) is left out; write it as `return self.pipeline_forward(x)` so both "
-            "are the same (README: Adapting a model).")
+            "are the same (docs/adapting.md).")
 
 
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)

@@ -102,8 +102,8 @@ def attention_types(model: nn.Module) -> list[str]:
     if unknown:
         raise ValueError(
             f"{type(model).__name__} has layers of attention type {unknown[0]!r}; lightning_bfpp.hf builds the masks of "
-            f"{' and '.join(ATTENTION_TYPES)} layers only: list its layers and side inputs yourself (README: Hugging "
-            "Face models)."
+            f"{' and '.join(ATTENTION_TYPES)} layers only: list its layers and side inputs yourself "
+            "(docs/huggingface.md)."
         )
     return list(types[:n])
 
@@ -128,7 +128,7 @@ def causal_lm_layers(model: nn.Module) -> list[nn.Module]:
     if not plan:
         raise ValueError(
             f"lightning_bfpp.hf knows GPT-2 and models whose config has base_model_pp_plan (Llama, Mistral, Qwen2, ...); "
-            f"{type(model).__name__} has neither: list its layers in pipeline_layers() yourself (README: Hugging Face models)."
+            f"{type(model).__name__} has neither: list its layers in pipeline_layers() yourself (docs/huggingface.md)."
         )
     types = attention_types(model)
     mixed = len(set(types)) > 1
@@ -219,7 +219,7 @@ def check_layers_reproduce(model: nn.Module, pipeline_forward: Callable[[torch.T
             except Exception as err:
                 raise ValueError(
                     f"CausalLM: {name}'s layers cannot run one after another as lightning_bfpp.hf calls them ({type(err).__name__}: "
-                    f"{err}). List its layers and side inputs yourself (README: Hugging Face models)."
+                    f"{err}). List its layers and side inputs yourself (docs/huggingface.md)."
                 ) from err
     finally:
         model.train(training)
@@ -230,8 +230,8 @@ def check_layers_reproduce(model: nn.Module, pipeline_forward: Callable[[torch.T
         raise ValueError(
             f"CausalLM: {name}'s pipeline layers do not reproduce its own forward (logits {tuple(got.shape)} vs "
             f"{tuple(expected.shape)}, largest difference {gap:.2g} of the largest logit, on 2 x {seq} tokens): its forward "
-            "does something lightning_bfpp.hf does not know. List its layers and side inputs yourself (README: Hugging "
-            "Face models), or pass check=False at your own risk."
+            "does something lightning_bfpp.hf does not know. List its layers and side inputs yourself "
+            "(docs/huggingface.md), or pass check=False at your own risk."
         )
 
 

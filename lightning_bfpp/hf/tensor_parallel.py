@@ -55,7 +55,7 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int,
         raise ValueError(
             f"tensor_parallel={tensor_parallel}: {name} has no tensor-parallel plan (its config has no "
             "base_model_tp_plan; GPT-2 is one such model). Use tensor_parallel=1, or subclass CausalLM and return "
-            "each layer's plan from pipeline_tp_plan (README: Tensor parallel)."
+            "each layer's plan from pipeline_tp_plan (docs/tensor_parallel.md)."
         )
     check_heads(model, tensor_parallel)
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()

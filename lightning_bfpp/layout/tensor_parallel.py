@@ -150,7 +150,7 @@ def _plan_hook(root: nn.Module, tensor_parallel: int, sequence_parallel: bool):
         raise TypeError(
             f"tensor_parallel={tensor_parallel} needs `{model}.{HOOK}(layer_name, layer, tensor_parallel)` returning "
             "each layer's plan ({submodule name: ColwiseParallel() | RowwiseParallel() | ...}, or None to keep a layer "
-            "whole); see lightning_bfpp.PipelineHooks (README: Tensor parallel), or set tensor_parallel=1."
+            "whole); see lightning_bfpp.PipelineHooks (docs/tensor_parallel.md), or set tensor_parallel=1."
         )
     if not sequence_parallel:
         return lambda name, layer: hook(name, layer, tensor_parallel)
@@ -159,7 +159,7 @@ def _plan_hook(root: nn.Module, tensor_parallel: int, sequence_parallel: bool):
         raise TypeError(
             f"sequence_parallel=True: `{model}.{HOOK}` takes no `sequence_parallel` argument, so its plans keep "
             "activations whole. Add `sequence_parallel: bool = False` and return sequence-parallel plans when it is "
-            "True (README: Sequence parallel), or set sequence_parallel=False."
+            "True (docs/tensor_parallel.md: Sequence parallel), or set sequence_parallel=False."
         )
     return lambda name, layer: hook(name, layer, tensor_parallel, sequence_parallel=True)
 

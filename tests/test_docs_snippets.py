@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from doc_snippets import ROOT, collect, with_overrides
-from procenv import LAUNCHER_PREFIXES, LAUNCHER_VARS
+from procenv import clean_env
 
 BLOCKS, ERRORS = collect()
 TIMEOUT = 600
@@ -45,10 +45,8 @@ def workdirs(tmp_path_factory):
 
 
 def block_env(cwd: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith(LAUNCHER_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(cwd / "examples")])  # the package, and the example's modules
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # python, torchrun
-    return env
+    return clean_env(PYTHONPATH=os.pathsep.join([str(ROOT), str(cwd / "examples")]),  # the package, the page's examples
+                     PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))  # torchrun
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])

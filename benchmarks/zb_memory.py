@@ -13,14 +13,12 @@ meter does not see them and the simulator does not count them. Both are printed 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer
 from torch.distributed.pipelining import PipelineStage
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "examples")]
+import common  # noqa: F401  (the repository and examples/ on sys.path)
 from gpt import GPT, GPTConfig  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402

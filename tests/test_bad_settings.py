@@ -74,8 +74,11 @@ class Result:
     run_dir: Path
 
 
-def _run(overrides: list[str], run_dir: Path, launcher: list[str] | None = None, cmd: list[str] | None = None) -> Result:
-    cmd = cmd or [*(launcher or [sys.executable]), str(TRAIN), *overrides, *QUIET, f"hydra.run.dir={run_dir}"]
+def _train(overrides: list[str], run_dir: Path, launcher: list[str] | None = None) -> Result:
+    return _run([*(launcher or [sys.executable]), str(TRAIN), *overrides, *QUIET, f"hydra.run.dir={run_dir}"], run_dir)
+
+
+def _run(cmd: list[str], run_dir: Path) -> Result:
     log = run_dir.parent / f"{run_dir.name}.out"
     start = time.monotonic()
     with open(log, "w") as out:
@@ -117,10 +120,10 @@ def results(request, tmp_path_factory) -> dict[str, Result]:
     root = tmp_path_factory.mktemp("bad_settings")
     baseline = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(TRAIN.parent)!r}); import train"]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {BASELINE: pool.submit(_run, [], root / BASELINE, cmd=baseline)}  # in the first batch of 4
-        futures.update({name: pool.submit(_run, overrides, root / name) for name, overrides, _ in ROWS if name in selected})
+        futures = {BASELINE: pool.submit(_run, baseline, root / BASELINE)}  # in the first batch of 4
+        futures.update({name: pool.submit(_train, overrides, root / name) for name, overrides, _ in ROWS if name in selected})
         if TORCHRUN_ROW[0] in selected:
-            futures[TORCHRUN_ROW[0]] = pool.submit(_run, TORCHRUN_ROW[1], root / TORCHRUN_ROW[0], TORCHRUN)
+            futures[TORCHRUN_ROW[0]] = pool.submit(_train, TORCHRUN_ROW[1], root / TORCHRUN_ROW[0], TORCHRUN)
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -133,8 +136,9 @@ def stretch(results: dict[str, Result]) -> float:
 
 def ends_fast(r: Result, results: dict[str, Result]) -> tuple[bool, str]:
     """Whether `r` ended within what its CPU time explains on this machine now, and a line saying so."""
-    limit = 2 * stretch(results) * r.cpu_s + SLACK_S
-    return r.wall_s <= limit, f"{r.wall_s:.1f} s wall-clock against a limit of {limit:.1f} s (stretch {stretch(results):.2f})"
+    k = stretch(results)
+    limit = 2 * k * r.cpu_s + SLACK_S
+    return r.wall_s <= limit, f"{r.wall_s:.1f} s wall-clock against a limit of {limit:.1f} s (stretch {k:.2f})"
 
 
 def test_a_run_that_waits_is_not_fast_loaded_or_not():

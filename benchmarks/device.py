@@ -8,10 +8,11 @@ is kept, marked "stopped at budget"):
   cpu  processes pinned one per core (BFPP_BENCH_PIN=1): P2's bubble per schedule (pp=2), P4 (pp=2 and pp=4 vs
        one process) and bfpp ÷ torch's own schedule classes (benchmarks/p2_bubble.py, p4_scaling.py,
        torch_schedules.py) — what two processes sharing two cores could not settle.
-  gpu  one device in bf16 on a ~0.3B-parameter GPT: per-layer forward/backward times; bfpp pipeline_parallel=1 at
-       loops 1 and 4 x micro-batches 1, 4 and 8 against Lightning's own FSDP2 route (ModelParallelStrategy +
-       fully_shard per layer) on the same model and batch, eager and compiled: step-time ratios and MFU; the
-       simulator's step time for each bfpp variant from the measured layer times, beside the measured one.
+  gpu  one device in bf16 on a ~0.3B-parameter GPT: per-layer forward/backward times at each micro-batch size;
+       bfpp pipeline_parallel=1 at loops 1 and 4 x micro-batches 1, 4 and 8 against a plain PyTorch loop over the
+       same micro-batches (gpu.raw_loop) and Lightning's own FSDP2 route (ModelParallelStrategy + fully_shard per
+       layer), same model and batch, eager and compiled: step-time ratios and MFU; the simulator's step time for
+       each bfpp variant from the layer times measured at its micro-batch size, beside the measured one.
 Writes one JSON (--out) and prints a short table. Without a GPU the gpu part records why it did not run (the
 dry run runs it on CPU in fp32).
 """
@@ -97,7 +98,7 @@ def predicted_step_s(cluster, cfg: dict, micro_batch: int, batch: int, loops: in
 def gpu_part(dry: bool, partial: Path, work: Path) -> None:
     import torch
     from gpt import GPTConfig
-    from gpu import layer_table, one_stage_run, peak_tflops
+    from gpu import layer_table, one_stage_run, peak_tflops, raw_loop
 
     cuda = torch.cuda.is_available()
     if not cuda and not dry:
@@ -109,21 +110,30 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
     peak = peak_tflops(device, None)
     results: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "model": cfg_dict,
                      "batch": batch, "precision": "bf16-mixed" if cuda else "32-true", "peak_tflops": peak,
-                     "variants": {}}
-    results["layers"] = layer_table(cfg, batch // 4, device, reps=3 if dry else 10)
-    _save(partial, results)
-    cluster = measured_cluster(results["layers"], cfg_dict, batch // 4, device.type)
-    variants = [("fsdp2", 1, 1)] + [("bfpp", loops, m) for loops in (1, 4) for m in (1, 4, 8)]
-    modes = [(False, v) for v in variants] + [(True, v) for v in (variants if not dry else variants[:2])]
+                     "variants": {}, "layers": {}}
+    micro_batches = (1, 4, 8)
+    clusters = {}  # the simulator's device for each micro-batch size, from layer times measured at that size
+    for m in micro_batches:
+        rows = results["layers"][str(batch // m)] = layer_table(cfg, batch // m, device, reps=3 if dry else 10)
+        clusters[m] = measured_cluster(rows, cfg_dict, batch // m, device.type)
+        _save(partial, results)
+    variants = [("raw", 1, m) for m in micro_batches] + [("fsdp2", 1, 1)]
+    variants += [("bfpp", loops, m) for loops in (1, 4) for m in micro_batches]
+    to_compile = [v for v in variants if not dry or v in (("raw", 1, 1), ("fsdp2", 1, 1), ("bfpp", 1, 1))]
+    modes = [(False, v) for v in variants] + [(True, v) for v in to_compile]
     for compiled, (strategy, loops, m) in modes:
-        name = f"{strategy} loops={loops} m={m}" if strategy == "bfpp" else strategy
-        name += " compiled" if compiled else ""
-        run = one_stage_run(cfg, batch, m, steps, device, loops=loops, compile=compiled, strategy=strategy)
+        suffix = " compiled" if compiled else ""
+        name = {"bfpp": f"bfpp loops={loops} m={m}", "raw": f"raw m={m}", "fsdp2": "fsdp2"}[strategy] + suffix
+        if strategy == "raw":
+            run = raw_loop(cfg, batch, m, steps, device, compiled)
+        else:
+            run = one_stage_run(cfg, batch, m, steps, device, loops=loops, compile=compiled, strategy=strategy)
         run["mfu"] = run["model_flops_per_s"] / (peak * 1e12) if peak else None
-        base = results["variants"].get("fsdp2" + (" compiled" if compiled else ""))
-        run["step_s_over_fsdp2"] = run["step_s"] / base["step_s"] if base else None
         if strategy == "bfpp":
-            run["simulated_step_s"] = predicted_step_s(cluster, cfg_dict, batch // m, batch, loops, device.type)
+            for base in ("raw", "fsdp2"):  # the plain PyTorch loop at the same micro-batches, and Lightning's FSDP2
+                ref = results["variants"].get((f"raw m={m}" if base == "raw" else "fsdp2") + suffix)
+                run[f"step_s_over_{base}"] = run["step_s"] / ref["step_s"] if ref else None
+            run["simulated_step_s"] = predicted_step_s(clusters[m], cfg_dict, batch // m, batch, loops, device.type)
             run["simulated_over_measured"] = run["simulated_step_s"] / run["step_s"]
         results["variants"][name] = run
         _save(partial, results)
@@ -167,9 +177,10 @@ def table(report: dict) -> str:
     if gpu:
         lines.append(f"gpu: {gpu['status']} {gpu.get('skipped', gpu.get('device', ''))}")
     for name, run in (gpu.get("variants") or {}).items():
-        ratio, mfu, sim = run.get("step_s_over_fsdp2"), run.get("mfu"), run.get("simulated_over_measured")
-        lines.append(f"  {name:<24} step {run['step_s'] * 1e3:9.2f} ms"
-                     + (f"  / fsdp2 {ratio:.3f}" if ratio else "") + (f"  MFU {mfu:.1%}" if mfu else "")
+        raw, fsdp2 = run.get("step_s_over_raw"), run.get("step_s_over_fsdp2")
+        mfu, sim = run.get("mfu"), run.get("simulated_over_measured")
+        lines.append(f"  {name:<26} step {run['step_s'] * 1e3:9.2f} ms" + (f"  / raw {raw:.3f}" if raw else "")
+                     + (f"  / fsdp2 {fsdp2:.3f}" if fsdp2 else "") + (f"  MFU {mfu:.1%}" if mfu else "")
                      + (f"  sim/measured {sim:.2f}" if sim else ""))
     return "\n".join(lines)
 

@@ -81,11 +81,49 @@ def layer_table(cfg: GPTConfig, batch: int, device: torch.device, reps: int) -> 
     return rows
 
 
+def raw_loop(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device: torch.device, compiled: bool,
+             profile=None) -> dict:
+    """The plain PyTorch step, no Lightning, no bfpp: each micro-batch's forward and backward (bf16 autocast on
+    CUDA), then the example's AdamW. Median step period after 3 steps; `profile(step)` (if given) adds its result."""
+    from worker import compile_each_layer
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if compiled:
+        compile_each_layer(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=model.optim.lr)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    data = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), device=device)
+    chunks = list(zip(data[:, :-1].chunk(micro_batches), data[:, 1:].chunk(micro_batches)))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step():
+        for x, y in chunks:
+            with autocast:
+                loss = model.pipeline_loss(model(x), y) / micro_batches
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+
+    periods = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        periods.append(time.perf_counter() - t0)
+    period = statistics.median(periods[3:] or periods)
+    tokens = batch * cfg.block_size / period
+    return {"step_s": period, "tokens_per_s": tokens,
+            "model_flops_per_s": tokens * flops_per_token(cfg, sum(p.numel() for p in model.parameters())),
+            **(profile(step) if profile else {})}
+
+
 def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device: torch.device,
-                  loops: int = 1, compile: bool = False, strategy: str = "bfpp") -> dict:
+                  loops: int = 1, compile: bool = False, strategy: str = "bfpp", callbacks: list | None = None) -> dict:
     """One device, Lightning: BFPPStrategy(pipeline_parallel=1, loops, micro_batches) or, strategy="fsdp2",
     Lightning's ModelParallelStrategy with each layer fully_shard-ed (worker.ShardedGPT); `compile`: bfpp's
-    compile=True, or each layer compiled before FSDP. Median step period after 3 steps (the compile is in the first)."""
+    compile=True, or each layer compiled before FSDP; `callbacks` join the Trainer's. Median step period after 3 steps
+    (the compile is in the first); with bfpp's compile, its last step's graph counts (`compiled`)."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from worker import Probe, ShardedGPT, compile_each_layer
@@ -105,14 +143,15 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1) if strategy == "fsdp2" else
         BFPPStrategy(pipeline_parallel=1, loops=loops, micro_batches=micro_batches, compile=compile),
         precision="bf16-mixed" if device.type == "cuda" else "32-true", enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, *(callbacks or [])],
     )
     trainer.fit(model, loader)
     periods = probe.result()["period_s"]
     period = statistics.median(periods[3:] or periods)
     tokens = batch * cfg.block_size / period
     bubbles = [s["bubble_fraction"] for s in probe.stats if "bubble_fraction" in s]
-    return {"params": n_params, "step_s": period, "tokens_per_s": tokens,
+    graphs = {k: v for k, v in (probe.stats[-1] if probe.stats else {}).items() if k.endswith("compiled_graphs")}
+    return ({"compiled": graphs} if graphs else {}) | {"params": n_params, "step_s": period, "tokens_per_s": tokens,
             "model_flops_per_s": tokens * flops_per_token(cfg, n_params),
             "bubble_fraction": statistics.median(bubbles) if bubbles else None}
 

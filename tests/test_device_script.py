@@ -32,11 +32,14 @@ def test_device_script_dry_run_writes_every_part(tmp_path):
     assert set(cpu["p2"]["schedules"]) == {"breadth_first", "depth_first", "gpipe", "1f1b", "breadth_first_zb"}
     assert cpu["p4_pp2"]["speedup"]["median"] > 0 and len(cpu["torch_schedules"]["schedules"]) == 4
     variants = gpu["variants"]
-    assert {"fsdp2", "bfpp loops=1 m=1", "bfpp loops=4 m=8", "fsdp2 compiled", "bfpp loops=1 m=1 compiled"} <= set(variants)
+    assert {"fsdp2", "raw m=1", "raw m=8", "bfpp loops=1 m=1", "bfpp loops=4 m=8", "fsdp2 compiled", "raw m=1 compiled",
+            "bfpp loops=1 m=1 compiled"} <= set(variants)
     for name, run in variants.items():
         assert run["step_s"] > 0 and run["tokens_per_s"] > 0, name
-        assert name.startswith("fsdp2") or (run["step_s_over_fsdp2"] > 0 and run["simulated_step_s"] > 0), name
-    assert [r["layer"] for r in gpu["layers"]] == ["embedding", "blocks.0", "blocks.1", "head"]
+        if name.startswith("bfpp"):
+            assert run["step_s_over_raw"] > 0 and run["step_s_over_fsdp2"] > 0 and run["simulated_step_s"] > 0, name
+    assert set(gpu["layers"]) == {"8", "2", "1"}  # a layer table per micro-batch size (batch 8; m = 1, 4, 8)
+    assert all([r["layer"] for r in rows] == ["embedding", "blocks.0", "blocks.1", "head"] for rows in gpu["layers"].values())
     assert "gpu:" in proc.stdout and "P2 breadth_first" in proc.stdout  # the short table
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -15,10 +16,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, drawn below the kernel's ephemeral range: the
+    ports there are what every outgoing connection on the machine takes its local port from, so one of those (a
+    store client of another test's job) could hold it by the time the job's store binds it (seen: EADDRINUSE)."""
+    low = _ephemeral_range()[0]
+    draw = random.Random()  # seeded from the OS, whatever the caller seeded
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that part of the range is busy: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """Linux's /proc/sys/net/ipv4/ip_local_port_range (32768-60999 by default); IANA's 49152-65535 elsewhere."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def clean_env(**extra: str) -> dict[str, str]:

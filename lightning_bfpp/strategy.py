@@ -200,6 +200,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._job.launcher = self.launcher  # a failed rendezvous (e.g. its port taken) still stops the child ranks
         rendezvous(self, self._setup_distributed)  # waits at least STARTUP_TIMEOUT for every process to start
         if self.auto_layout is not None and not self.plan.decided:  # the mesh, datamodule and samplers depend on it
             module = self.lightning_module

@@ -75,6 +75,27 @@ def test_failing_rank_stops_every_process(tmp_path, fail_rank):
     assert f"[rank {fail_rank}] bfpp: the job stops because rank {fail_rank} failed: RuntimeError" in str(failure.value)
 
 
+def test_a_taken_rendezvous_port_ends_every_process(tmp_path):
+    """Two jobs on one machine with the same MASTER_PORT: the launching process cannot host the job's store, says
+    which setting to change, and takes its child ranks down (they had waited for that store for 30 minutes)."""
+    import socket
+    import subprocess
+    import sys
+
+    from launch import SCRIPT, clean_env
+
+    with socket.socket() as other_job:  # the other job's store, listening on the port
+        other_job.bind(("127.0.0.1", 0))
+        other_job.listen()
+        port = other_job.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path), "2", '[{"pp": 2, "loops": 1, "m": 2}]'],
+                                env=clean_env(MASTER_PORT=str(port)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        output = proc.communicate(timeout=120)[0]  # ends when every rank has closed the shared pipe
+    assert proc.returncode != 0
+    assert f"The job's rendezvous port (MASTER_PORT={port}) is taken by another process" in output, output[-3000:]
+
+
 @pytest.mark.slow
 def test_stuck_rank_ends_the_job_by_the_timeout(tmp_path):
     """A rank that is alive but stuck: the others' waits time out (timeout=10 s), and the stuck one is stopped too."""

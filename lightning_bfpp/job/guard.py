@@ -23,8 +23,18 @@ def rendezvous(strategy, setup_distributed: Callable[[], None]) -> None:
     """`setup_distributed()` (Lightning's process-group set-up) waiting at least STARTUP_TIMEOUT for every process
     to start (imports, a slow file system, a loaded machine); afterwards every wait is bounded by the strategy's
     `timeout` again."""
-    with process_group_timeout_at_least(strategy, STARTUP_TIMEOUT) as requested:
-        setup_distributed()
+    from torch.distributed import DistNetworkError
+
+    try:
+        with process_group_timeout_at_least(strategy, STARTUP_TIMEOUT) as requested:
+            setup_distributed()
+    except DistNetworkError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        port = os.environ.get("MASTER_PORT")
+        raise RuntimeError(f"The job's rendezvous port (MASTER_PORT={port}) is taken by another process (another job "
+                           "on this machine?): give each job its own free MASTER_PORT, or leave it unset for Lightning "
+                           f"to pick one. ({error})") from error
     if requested is not None and requested < STARTUP_TIMEOUT:
         set_default_group_timeout(requested)
 
@@ -43,7 +53,7 @@ class JobGuard:
 
     def __init__(self) -> None:
         self.watchdog: Watchdog | None = None
-        self.launcher = None  # Lightning's launcher when this process launched the others
+        self.launcher = None  # Lightning's launcher when this process launched the others (set before the rendezvous)
         self.failed = False
         self.preempted: Preempted | None = None  # the run stopped after saving on a signal
 

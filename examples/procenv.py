@@ -19,7 +19,7 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, drawn below the kernel's ephemeral range: the
     ports there are what every outgoing connection on the machine takes its local port from, so one of those (a
     store client of another test's job) could hold it by the time the job's store binds it (seen: EADDRINUSE)."""
-    low = _ephemeral_range()[0]
+    low = _ephemeral_low()
     draw = random.Random()  # seeded from the OS, whatever the caller seeded
     for _ in range(100):
         port = draw.randrange(max(1024, low - 16384), low)
@@ -34,13 +34,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """Linux's /proc/sys/net/ipv4/ip_local_port_range (32768-60999 by default); IANA's 49152-65535 elsewhere."""
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768 by default); IANA's
+    49152 elsewhere."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49152, 65535
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch
 
 import lightning_bfpp.checkpoint as ckpt
 from exact_model import reference
-from launch import run_lightning, run_torchrun, start_lightning
+from launch import SCRIPT, clean_env, run_lightning, run_torchrun, start_lightning
 from lightning_bfpp.job.watchdog import pid_alive
 
 WORLD = 4
@@ -78,12 +81,6 @@ def test_failing_rank_stops_every_process(tmp_path, fail_rank):
 def test_a_taken_rendezvous_port_ends_every_process(tmp_path):
     """Two jobs on one machine with the same MASTER_PORT: the launching process cannot host the job's store, says
     which setting to change, and takes its child ranks down (they had waited for that store for 30 minutes)."""
-    import socket
-    import subprocess
-    import sys
-
-    from launch import SCRIPT, clean_env
-
     with socket.socket() as other_job:  # the other job's store, listening on the port
         other_job.bind(("127.0.0.1", 0))
         other_job.listen()

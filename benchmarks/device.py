@@ -123,7 +123,7 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
     modes = [(False, v) for v in variants] + [(True, v) for v in to_compile]
     for compiled, (strategy, loops, m) in modes:
         suffix = " compiled" if compiled else ""
-        name = {"bfpp": f"bfpp loops={loops} m={m}", "raw": f"raw m={m}", "fsdp2": "fsdp2"}[strategy] + suffix
+        name = _variant(strategy, loops, m) + suffix
         if strategy == "raw":
             run = raw_loop(cfg, batch, m, steps, device, compiled)
         else:
@@ -131,12 +131,17 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
         run["mfu"] = run["model_flops_per_s"] / (peak * 1e12) if peak else None
         if strategy == "bfpp":
             for base in ("raw", "fsdp2"):  # the plain PyTorch loop at the same micro-batches, and Lightning's FSDP2
-                ref = results["variants"].get((f"raw m={m}" if base == "raw" else "fsdp2") + suffix)
+                ref = results["variants"].get(_variant(base, 1, m) + suffix)
                 run[f"step_s_over_{base}"] = run["step_s"] / ref["step_s"] if ref else None
             run["simulated_step_s"] = predicted_step_s(clusters[m], cfg_dict, batch // m, batch, loops, device.type)
             run["simulated_over_measured"] = run["simulated_step_s"] / run["step_s"]
         results["variants"][name] = run
         _save(partial, results)
+
+
+def _variant(strategy: str, loops: int, m: int) -> str:
+    """A gpu-part variant's name (without " compiled"); Lightning's FSDP2 runs one micro-batch only."""
+    return {"bfpp": f"bfpp loops={loops} m={m}", "raw": f"raw m={m}", "fsdp2": "fsdp2"}[strategy]
 
 
 PARTS = {"cpu": cpu_part, "gpu": gpu_part}

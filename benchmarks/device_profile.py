@@ -45,14 +45,28 @@ def _summary(prof, wall_s: float) -> dict:
             "top_host_ops_ms": top(events, lambda e: e.self_cpu_time_total)}
 
 
-def _profile(step) -> dict:
-    """`_summary` of one call of `step` (which synchronizes at its end)."""
-    from torch.profiler import profile
+class Profiled:
+    """torch.profiler over a region, the device synchronized at both ends; `result`: its `_summary`."""
 
-    t0 = time.perf_counter()
-    with profile(activities=_activities()) as prof:
+    def __enter__(self) -> Profiled:
+        from torch.profiler import profile
+
+        self._prof, self.result = profile(activities=_activities()), {}
+        _sync()
+        self._t0 = time.perf_counter()
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync()
+        self._prof.__exit__(*exc)
+        self.result = _summary(self._prof, time.perf_counter() - self._t0)
+
+
+def _profile(step) -> dict:
+    with Profiled() as region:
         step()
-    return _summary(prof, time.perf_counter() - t0)
+    return region.result
 
 
 def _sync() -> None:
@@ -61,26 +75,19 @@ def _sync() -> None:
 
 
 class ProfileOneStep(Callback):
-    """torch.profiler over training step `at` of a Lightning run (synchronized at its end)."""
+    """`Profiled` over training step `at` of a Lightning run."""
 
     def __init__(self, at: int):
-        self.at, self.result, self._prof, self._t0 = at, {}, None, 0.0
+        self.at, self.result, self._region = at, {}, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at:
-            from torch.profiler import profile
-
-            self._prof = profile(activities=_activities())
-            _sync()
-            self._t0 = time.perf_counter()
-            self._prof.__enter__()
+            self._region = Profiled().__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._prof is not None:
-            _sync()
-            self._prof.__exit__(None, None, None)
-            self.result = _summary(self._prof, time.perf_counter() - self._t0)
-            self._prof = None
+        if self._region is not None:
+            self._region.__exit__(None, None, None)
+            self.result, self._region = self._region.result, None
 
 
 def main() -> None:

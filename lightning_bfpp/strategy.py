@@ -212,8 +212,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             layers = list(module.pipeline_layers())
             rank_zero_info(self.plan.decide(module, layers, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
-        self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.launcher, self.on_signal,
-                        self.signal_grace_s)
+        self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.on_signal, self.signal_grace_s)
         self._device_mesh = build_mesh(self.root_device.type, self.pipeline_parallel, self.world_size,
                                        process_group_timeout(self), self.tensor_parallel)
         assert self.lightning_module is not None

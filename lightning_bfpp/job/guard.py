@@ -57,10 +57,9 @@ class JobGuard:
         self.failed = False
         self.preempted: Preempted | None = None  # the run stopped after saving on a signal
 
-    def start(self, global_rank: int, world_size: int, cluster_environment, launcher, on_signal: str = "exit",
+    def start(self, global_rank: int, world_size: int, cluster_environment, on_signal: str = "exit",
               grace_s: float | None = None) -> None:
         """After the process group exists (a one-process job needs no watchdog unless it saves on a signal)."""
-        self.launcher = launcher
         save = on_signal == "save"
         if (world_size <= 1 and not save) or self.watchdog is not None:
             return

@@ -153,6 +153,10 @@ def test_signal_stops_every_process(tmp_path, launcher, target, signum):
     # on_signal="save" (the default): every rank saved last.ckpt (the ModelCheckpoint's folder) at one step first
     saved = re.fullmatch(got + rf" \(saved {re.escape(str(stopped.save_dir / 'last.ckpt'))} at step (\d+)\)", reasons.pop())
     assert saved, said
+    # every rank said why before any rank could end (the launcher may kill the others as soon as one exits): rank 0
+    # reports the save only after every rank has said it (a torchrun job once lost rank 0's line this way)
+    last_said = max(m.end() for m in STOPPED.finditer(stopped.output))
+    assert stopped.output.find("bfpp: saved ", last_said) > 0, stopped.output[-4000:]
     assert newest_checkpoint_is_complete(stopped.save_dir, tmp_path, "last.ckpt") == int(saved[1])
     newest_checkpoint_is_complete(stopped.save_dir, tmp_path)
 

@@ -76,6 +76,13 @@ class JobGuard:
         """The signal that asks every rank to save at `step` (on_signal="save"), else None."""
         return self.watchdog.save_requested(step) if self.watchdog is not None else None
 
+    def saved_on_signal(self, signum: int, step: int, path) -> Preempted:
+        """Say on this rank why the job stops (a launcher may kill this rank as soon as a peer exits, so it is said
+        before any rank ends) and return the exception that ends the run."""
+        rank, signalled = (self.watchdog.rank, self.watchdog.signalled_rank) if self.watchdog is not None else (0, 0)
+        say_stop(rank, f"rank {signalled} got {signal.Signals(signum).name} (saved {path} at step {step})")
+        return Preempted(signum, step, path)
+
     def progress(self, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.progress(step)
@@ -112,10 +119,8 @@ class JobGuard:
             return None
         watchdog, self.watchdog = self.watchdog, None
         if self.preempted is not None:  # saved on the signal: every rank ends with its code
-            watchdog.stop(finished=True)
+            watchdog.stop(finished=True)  # every rank said why in saved_on_signal
             signum = self.preempted.signum
-            say_stop(watchdog.rank, f"rank {watchdog.signalled_rank} got {signal.Signals(signum).name} (saved "
-                                    f"{self.preempted.path} at step {self.preempted.step})")
             self.kill_children(wait=CHILDREN_WAIT_S)  # the launching process: its children stop by themselves
             if watchdog.on_signal_stop is not None:
                 watchdog.on_signal_stop(signum)

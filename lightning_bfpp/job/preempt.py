@@ -94,5 +94,7 @@ class SaveOnSignal(Callback):
         path, how = signal_checkpoint_path(trainer, self.path)
         if not saved_at(path, step):  # e.g. a ModelCheckpoint's last.ckpt of this very step
             trainer.save_checkpoint(path)
+        stop = self.job.saved_on_signal(signum, step, path)
+        trainer.strategy.barrier("bfpp_saved_on_signal")  # every rank has said why before any rank can exit
         rank_zero_info(f"bfpp: saved {path} at step {step} on {signal.Signals(signum).name}; resume: {how}")
-        raise Preempted(signum, step, path)
+        raise stop

@@ -93,6 +93,39 @@ def test_a_taken_rendezvous_port_ends_every_process(tmp_path):
     assert f"The job's rendezvous port (MASTER_PORT={port}) is taken by another process" in output, output[-3000:]
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def test_a_killed_launching_process_ends_the_ranks_still_joining(tmp_path):
+    """Lightning's launching process SIGKILLed (out of memory, kill -9) while its child rank is still starting: the
+    child says why and exits at once, rather than waiting out the rendezvous' 5 minutes for a store that is gone."""
+    proc = start_lightning(tmp_path, 2, [{"pp": 2, "loops": 1, "m": 2}])
+    deadline = time.monotonic() + 60
+    while not (child := _children(proc.pid)):  # rank 1 started (it imports for seconds before it joins)
+        assert proc.poll() is None and time.monotonic() < deadline, "the launching process started no child"
+        time.sleep(0.05)
+    proc.kill()
+    killed = time.monotonic()
+    try:
+        output = proc.communicate(timeout=90)[0]  # until rank 1, which shares the pipe, is gone too
+        gone_s = time.monotonic() - killed
+    finally:
+        for pid in child:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert "[rank 1] bfpp: the job stops because the launching process (rank 0, pid " in output, output[-3000:]
+    assert gone_s < 60, gone_s
+
+
 @pytest.mark.slow
 def test_stuck_rank_ends_the_job_by_the_timeout(tmp_path):
     """A rank that is alive but stuck: the others' waits time out (timeout=10 s), and the stuck one is stopped too."""

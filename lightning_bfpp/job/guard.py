@@ -11,7 +11,7 @@ from datetime import timedelta
 
 from .._private.lightning_api import process_group_timeout_at_least
 from .._private.torch_api import set_default_group_timeout
-from .launcher import CheckingLauncher, requeue_slurm_job, slurm_requeue_signal
+from .launcher import CheckingLauncher, launcher_watched, requeue_slurm_job, slurm_requeue_signal
 from .preempt import Preempted, default_grace_s
 from .watchdog import FAILED, STOP_SIGNALS, Watchdog, say_stop
 
@@ -21,12 +21,13 @@ CHILDREN_WAIT_S = 15.0  # after a save on a signal, the launching process waits 
 
 def rendezvous(strategy, setup_distributed: Callable[[], None]) -> None:
     """`setup_distributed()` (Lightning's process-group set-up) waiting at least STARTUP_TIMEOUT for every process
-    to start (imports, a slow file system, a loaded machine); afterwards every wait is bounded by the strategy's
-    `timeout` again."""
+    to start (imports, a slow file system, a loaded machine), unless Lightning's launching process dies meanwhile;
+    afterwards every wait is bounded by the strategy's `timeout` again."""
     from torch.distributed import DistNetworkError
 
     try:
-        with process_group_timeout_at_least(strategy, STARTUP_TIMEOUT) as requested:
+        with launcher_watched(lambda: strategy.global_rank), \
+                process_group_timeout_at_least(strategy, STARTUP_TIMEOUT) as requested:
             setup_distributed()
     except DistNetworkError as error:
         if "EADDRINUSE" not in str(error):

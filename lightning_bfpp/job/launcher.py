@@ -11,15 +11,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from typing_extensions import override
 
 from .._private.lightning_api import SubprocessScriptLauncher, set_num_threads_if_needed
-from .watchdog import FAILED, say_stop
+from .watchdog import FAILED, pid_alive, say_stop
 
+LAUNCHER_PID = "BFPP_LAUNCHER_PID"  # set by the launching process for the child ranks it starts
 OBSERVER_WAIT = 9.0  # seconds the launching process gives its watchdog (1 s poll + 5 s grace + 1 s) after a child's failure
 
 
@@ -39,6 +41,7 @@ class CheckingLauncher(SubprocessScriptLauncher):
         self._check(ckpt_path_of(function, args, kwargs), trainer)
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
+            os.environ[LAUNCHER_PID] = str(os.getpid())  # the children's copy: who to watch while they join
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             ChildObserver(self.procs, first, OBSERVER_WAIT, self.stop_children).start()
@@ -86,6 +89,33 @@ class ChildObserver(threading.Thread):
         say_stop(self.first_rank - 1, f"rank {self.first_rank + i} (pid {self.procs[i].pid}) exited with code {code}")
         self.stop_children(0.0)
         os._exit(code if code > 128 else FAILED)
+
+
+@contextmanager
+def launcher_watched(rank: Callable[[], int], poll: float = 0.5) -> Iterator[None]:
+    """In a child rank of Lightning's launcher: while the job's processes join (before the watchdog, which notices a
+    lost store, starts), end this rank when the launching process is gone (e.g. SIGKILLed, out of memory) instead
+    of waiting out the rendezvous' timeout for a store that will never come. Elsewhere: nothing."""
+    launcher = int(os.environ.get(LAUNCHER_PID, "0"))
+    if not launcher or launcher == os.getpid() or (os.getppid() != launcher and pid_alive(launcher)):
+        yield  # not a child of a live launching process (its own parent or already gone): nothing to watch
+        return
+    joined = threading.Event()
+
+    def watch() -> None:
+        while not joined.wait(poll):
+            if os.getppid() != launcher:  # re-parented: the launching process died
+                say_stop(rank(), f"the launching process (rank 0, pid {launcher}) is gone before every rank joined "
+                               "the job")
+                os._exit(FAILED)
+
+    thread = threading.Thread(target=watch, daemon=True, name="bfpp-launcher-watch")
+    thread.start()
+    try:
+        yield
+    finally:
+        joined.set()
+        thread.join()
 
 
 def ckpt_path_of(function: Callable, args: tuple, kwargs: dict) -> str | None:

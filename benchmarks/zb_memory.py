@@ -6,8 +6,9 @@ one rank, so the order of the input- and weight-gradient passes is what differs,
 Per schedule: the saved-activation peak (``activation_peak_bytes``, the runtime's saved-tensor meter) and, for
 breadth_first_zb, the largest sum over the step of the gradients torch's split backward keeps from a micro-batch's
 input-gradient pass for its weight-gradient pass (read from the stages' ``backward_state`` after each action: the
-gradients at the points where the paths to the inputs and to the weights part). Those are not saved tensors: the
-meter does not see them and the simulator does not count them. Both are printed as ratios to breadth_first's peak.
+gradients at the points where the paths to the inputs and to the weights part, and the gradient of the stage's
+output). Those are not saved tensors: the meter does not see them. Both are printed as ratios to breadth_first's
+peak, beside the simulator's peak of both from the same model's measured layers (``StageCost.weight_pass_bytes``).
 """
 
 from __future__ import annotations
@@ -25,13 +26,36 @@ from lightning_bfpp import BFPPStrategy  # noqa: E402
 
 
 def retained_grad_bytes(stage: PipelineStage) -> int:
-    """Bytes of the gradients `stage` keeps for weight-gradient passes still to run (torch's private state)."""
+    """Bytes of the gradients `stage` keeps for weight-gradient passes still to run (torch's private state): those
+    of the points where the paths part, and the gradient its output received."""
     total = 0
-    for _inputs, groups, _outputs, _grads in getattr(stage, "backward_state", {}).values():
-        for group in groups or []:
-            for grads in group.get("grads") or []:
-                total += sum(g.numel() * g.element_size() for g in grads if g is not None)
+    for _inputs, groups, _outputs, output_grads in getattr(stage, "backward_state", {}).values():
+        kept = [g for group in groups or [] for grads in group.get("grads") or [] for g in grads]
+        kept += list(output_grads) if isinstance(output_grads, (tuple, list)) else [output_grads]
+        total += sum(g.numel() * g.element_size() for g in kept if isinstance(g, torch.Tensor))
     return total
+
+
+def simulated(cfg: GPTConfig, micro_batches: int, micro_batch_size: int) -> dict[str, float]:
+    """The simulator's peak of saved activations + what the weight passes wait for (one rank, two stages), from
+    the same model's measured layers (``layout.auto.measure_layers``: fp32, as this run)."""
+    from lightning_bfpp.layout.auto import measure_layers
+    from lightning_bfpp.schedule import ScheduleSpec, build_schedule
+    from lightning_bfpp.sim import Cluster, build_costs, simulate
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.block_size))
+    layers = measure_layers(model, list(model.pipeline_layers()), ids, ids, torch.device("cpu"), repeats=1)
+    cluster = Cluster(devices=1, num_nodes=1, flops=1e10, device_memory=1e12, intra_bw=1e9, inter_bw=1e9, latency=1e-5)
+    costs = build_costs(layers, cluster, pipeline_parallel=1, loops=2, data_parallel=1, micro_batch_size=micro_batch_size,
+                        micro_batches=micro_batches, sharding="none")  # no FSDP: the peak is activations + W's
+    out = {}
+    for name in ("breadth_first", "breadth_first_zb"):
+        memory = simulate(build_schedule(ScheduleSpec(name, pipeline_parallel=1, micro_batches=micro_batches, loops=2)),
+                          costs).memory[0]
+        out[name] = memory.peak - memory.static
+    return out
 
 
 def fit(schedule: str, cfg: GPTConfig, micro_batches: int, batch: int, steps: int = 3) -> dict:
@@ -84,6 +108,13 @@ def main() -> None:
     for name, r in rows.items():
         saved, kept, both = r["saved_peak"], r["retained_grads_peak"], r["together_peak"]
         print(f"{name:<18}{saved:>13,}{saved / base:>7.3f}{kept:>14,}{kept / base:>7.3f}{both:>15,}{both / base:>7.3f}")
+    sim = simulated(cfg, args.micro_batches, args.micro_batch_size)
+    measured = {name: r["together_peak"] for name, r in rows.items()}
+    print("the simulator's peak of both (measured layers), and ÷ the measured peak of both:")
+    for name, peak in sim.items():
+        print(f"{name:<18}{peak:>15,.0f}{peak / measured[name]:>7.3f}")
+    print(f"zero bubble ÷ breadth-first, both at once: measured {measured['breadth_first_zb'] / measured['breadth_first']:.3f}, "
+          f"simulated {sim['breadth_first_zb'] / sim['breadth_first']:.3f}")
 
 
 if __name__ == "__main__":

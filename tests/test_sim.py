@@ -3,7 +3,11 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
+from torch.distributed.pipelining._backward import stage_backward_input
 
+from gpt import GPT, GPTConfig
+from lightning_bfpp.layout.auto import measure_layers
 from lightning_bfpp.schedule import ScheduleError, ScheduleSpec, build_schedule
 from lightning_bfpp.sim import (MEGATRON, Cluster, Model, SimOptions, WireBytes, build_costs, evaluate, ring_time, simulate,
                                unit_costs)
@@ -343,3 +347,49 @@ def test_bandwidth_hurts_megatron_reduction_fully_and_overlapped_fsdp_partly():
     assert mg_slow - mg_fast >= (reduce_slow - reduce_fast) * (1 - 1e-9)
     assert bf_slow - bf_fast < 0.5 * (comm_slow - comm_fast)
     assert mg_slow / bf_slow > mg_fast / bf_fast  # so BF's lead grows as bandwidth falls (on one layout)
+
+
+def _kept_for_weight_pass(stage, params, x, upstream=None) -> int:
+    """Bytes torch's split backward keeps from `stage`'s input-gradient pass for its weight pass (`params`)."""
+    y = stage(x)
+    _, groups = stage_backward_input([y], None if upstream is None else [upstream(y)], [x], iter(params))
+    return sum(g.numel() * g.element_size() for group in groups for grads in group.get("grads") or [] for g in grads
+               if g is not None and isinstance(g, torch.Tensor))
+
+
+def test_weight_pass_bytes_are_what_torchs_split_backward_keeps():
+    """What zero bubble holds from a micro-batch's input-gradient pass to its weight pass, per layer: the analytic
+    transformer (Model, bf16: half of this fp32 run) and a measured model's (layout.auto.measure_layers) are the bytes
+    torch's stage_backward_input keeps, for examples/gpt.py's block and head."""
+    b, cfg = 3, GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    layers = list(gpt.pipeline_layers())
+    block, head = layers[1], layers[-1]
+    x = torch.randn(b, cfg.block_size, cfg.n_embd, requires_grad=True)
+    target = torch.randint(0, cfg.vocab_size, (b, cfg.block_size))
+    kept_block = _kept_for_weight_pass(block, block.parameters(), x, torch.randn_like)
+    kept_head = _kept_for_weight_pass(lambda z: gpt.pipeline_loss(head(z), target), head.parameters(), x)  # its loss
+    assert kept_block == 11 * b * cfg.block_size * cfg.n_embd * 4  # q, k, v, proj, fc (4h), fc2, two norms
+    analytic = Model(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size).layer_weight_grad_bytes(b)
+    assert [2 * a for a in analytic[1:]] == [kept_block, kept_block, kept_head]
+    ids = torch.randint(0, cfg.vocab_size, (b, cfg.block_size))
+    measured = measure_layers(gpt, layers, ids, target, torch.device("cpu"), repeats=1).weight_grad_bytes
+    assert [m * b for m in measured[1:]] == [kept_block, kept_block, kept_head]
+
+
+def test_zero_bubble_holds_what_its_weight_passes_wait_for():
+    """breadth_first_zb keeps each stage's weight-pass bytes from its input pass to its weight pass: the last stage
+    its layers', the first stage (no input pass: its input needs no gradient) the gradient it received; breadth-first
+    keeps none."""
+    model = Model(4, 4, 64, 32, 256)
+    cluster = Cluster(devices=2, num_nodes=1, flops=1e10, device_memory=1e12, intra_bw=1e9, inter_bw=1e9, latency=1e-5)
+    costs = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=1, micro_batch_size=2,
+                        micro_batches=1, sharding="none", stage_layers=[3, 3])
+    layers = model.layers(cluster)
+    last = sum(layers.weight_grad_bytes[3:]) * 2
+    first = 2 * 32 * 64 * 2  # the gradient of its output: a message, bf16
+    assert [s.weight_pass_bytes for s in costs.stages] == [first, last]
+    peaks = {name: [m.category_peak["weight_pass"] for m in simulate(build_schedule(ScheduleSpec(
+        name, pipeline_parallel=2, micro_batches=1)), costs).memory] for name in ("breadth_first", "breadth_first_zb")}
+    assert peaks == {"breadth_first": [0.0, 0.0], "breadth_first_zb": [first, last]}

@@ -82,12 +82,14 @@ def _rows(value: Any) -> int:
 def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target: Any, device: torch.device,
                    repeats: int = 3, precision: str = "32-true") -> Layers:
     """`Layers` of this model per sample of `inputs` (one micro-batch): the fastest forward+backward seconds of
-    each layer (split 1:2 into forward and backward), its parameters, and the bytes it saves for backward
-    (``saved_tensors_hooks``, parameters excluded), so the planner scales them to any micro-batch size; what the
-    step moves per weight, gradient and message element is `precision`'s (``sim.WireBytes.for_precision``)."""
+    each layer (split 1:2 into forward and backward), its parameters, the bytes it saves for backward
+    (``saved_tensors_hooks``, parameters excluded) and the bytes of its parameter-owning modules' outputs (whose
+    gradients zero bubble keeps from a micro-batch's input pass to its weight pass), so the planner scales them to
+    any micro-batch size; what the step moves per weight, gradient and message element is `precision`'s
+    (``sim.WireBytes.for_precision``)."""
     rows = _rows(inputs)
     owner = {p.data_ptr() for p in module.parameters()}
-    saved = [0.0] * len(layers)
+    saved, weight_outputs = [0.0] * len(layers), [0.0] * len(layers)
     current, sent = [-1], [0] * len(layers)  # the layer running; elements of its output (what a stage sends)
 
     def done(_m, _a, out, i: int) -> None:
@@ -95,9 +97,15 @@ def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target
         sent[i] = max([t.numel() for t in ([out] if isinstance(out, torch.Tensor) else out)
                        if isinstance(t, torch.Tensor)] + [sent[i]])
 
+    def weighted(_m, _a, out, i: int) -> None:
+        weight_outputs[i] += sum(t.numel() * t.element_size() for t in ([out] if isinstance(out, torch.Tensor) else
+                                 out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor) and t.requires_grad)
+
     hooks = [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i)),
         layer.register_forward_hook(lambda m, a, out, i=i: done(m, a, out, i)))]
+    hooks += [m.register_forward_hook(lambda m, a, out, i=i: weighted(m, a, out, i))
+              for i, layer in enumerate(layers) for m in layer.modules() if next(m.parameters(recurse=False), None) is not None]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if current[0] >= 0 and t.data_ptr() not in owner:
@@ -118,7 +126,8 @@ def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target
                   forward_flops=(0.0,) * len(layers),
                   activation_bytes=tuple(b / passes / rows for b in saved),
                   seq=seq, width=width,
-                  times=tuple((t / rows / 3, 2 * t / rows / 3) for t in times), wire=WireBytes.for_precision(precision))
+                  times=tuple((t / rows / 3, 2 * t / rows / 3) for t in times), wire=WireBytes.for_precision(precision),
+                  weight_grad_bytes=tuple(b / passes / rows for b in weight_outputs))
 
 
 def _matches(c: Candidate, pinned: Mapping[str, Any]) -> bool:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..schedule.layout import balanced_layout
@@ -52,6 +52,7 @@ class StageCost:
     workspace: float = 0.0  # transient bytes while one of its backwards runs
     weight_fraction: float = 0.5  # of `backward`, the weight-gradient part (a matmul's input and weight gradients
     # cost the same FLOPs): breadth_first_zb's W pass; its I pass is the rest
+    weight_pass_bytes: float = 0.0  # what its input-gradient pass keeps until its weight pass (breadth_first_zb)
     inter_node: bool = False  # its dp collectives cross nodes (they share the rank's network interface)
     weight_bytes: int = WEIGHT_BYTES  # per parameter of its gathered weights
     grad_bytes: int = GRAD_BYTES  # per parameter of its unsharded gradient
@@ -80,7 +81,7 @@ class Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
         stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host,
                             workspace=s.workspace, weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes,
-                            weight_fraction=s.weight_fraction)
+                            weight_fraction=s.weight_fraction, weight_pass_bytes=s.weight_pass_bytes)
                   for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
                      self.flops_per_token, self.step_overhead, self.tensor_parallel)
@@ -135,12 +136,14 @@ def build_costs(
         if len(layout) != num_stages or sum(layout) != len(layers) or min(layout) < 1:
             raise ValueError(f"stage_layers={list(layout)} must list {num_stages} positive counts summing to "
                              f"the model's {len(layers)} layers.")
+    message = message_bytes(layers, micro_batch_size, tp, sequence_parallel, activation_bytes)
     stages, start = [], 0
     for s, n in enumerate(layout):
-        stages.append(_stage_cost(layers, cluster, range(start, start + n), s % pp, dp, tp, micro_batch_size, sharding))
+        span = range(start, start + n)
+        stage = _stage_cost(layers, cluster, span, s % pp, dp, tp, micro_batch_size, sharding)
+        stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message)))
         start += n
     tokens = micro_batch_size * layers.seq
-    message = message_bytes(layers, micro_batch_size, tp, sequence_parallel, activation_bytes)
     p2p, inter_links = _p2p_links(cluster, pp, dp, tp, message)
     return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
                  cluster.step_overhead, tp, inter_links)
@@ -155,6 +158,16 @@ def message_bytes(layers: Layers, micro_batch_size: int, tensor_parallel: int = 
     element = layers.wire.messages if activation_bytes is None else activation_bytes
     shards = tensor_parallel if sequence_parallel and tensor_parallel > 1 else 1
     return element * micro_batch_size * layers.seq * layers.width / shards
+
+
+def _weight_pass_bytes(layers: Layers, span: range, micro_batch_size: int, message: float) -> float:
+    """What a stage keeps from a micro-batch's input-gradient pass until its weight pass (torch's split backward):
+    its layers' ``weight_grad_bytes`` and, but on the last stage, the gradient it received for its output. The
+    first stage runs no input pass (its input needs no gradient): it keeps only that gradient."""
+    output_grad = message if span.stop < len(layers) else 0.0
+    if span.start == 0 or layers.weight_grad_bytes is None:
+        return output_grad
+    return output_grad + sum(layers.weight_grad_bytes[i] for i in span) * micro_batch_size
 
 
 def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: int, tp: int, micro_batch_size: int,

@@ -44,7 +44,10 @@ class Layers:
     count, backward bytes), bytes as all-reduce volume (an all-gather or a reduce-scatter counts half).
     workspace: per layer, transient bytes per sample while its backward runs (recomputed activations or
     activation gradients), on top of what `activation_bytes` keeps. wire: element sizes of the weights, gradients
-    and messages the step moves (the run's precision).
+    and messages the step moves (the run's precision). weight_grad_bytes: per layer, bytes per sample that a split
+    backward's input-gradient pass keeps for its weight-gradient pass (the gradients of the outputs of the layer's
+    parameter-owning modules: torch keeps them where the paths to the inputs and to the weights part), or None
+    (unknown: zero bubble's memory is then a lower bound).
     """
 
     params: tuple[int, ...]
@@ -58,6 +61,7 @@ class Layers:
     tp_comm: tuple[tuple[int, float, int, float], ...] | None = None
     workspace: tuple[float, ...] | None = None
     wire: WireBytes = WireBytes()
+    weight_grad_bytes: tuple[float, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -122,6 +126,19 @@ class Model:
         block = edge if self.checkpointing else self._block_activation(b, t, sequence_parallel)
         return [float(edge)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
 
+    def layer_weight_grad_bytes(self, micro_batch_size: int, tensor_parallel: int = 1,
+                                sequence_parallel: bool = False) -> list[float]:
+        """What a split backward keeps from each layer's input-gradient pass for its weight pass, per micro-batch
+        and tp rank: the gradients of the outputs of its weight-owning modules (measured on examples/gpt.py, 11h per
+        token per block). A block: q, k, v and fc (7h, column-split / tp), proj and fc2 (2h, whole: each rank's
+        partial sum), two layer norms (2h, / tp with sequence parallel); the head: its norm and the logits (vocab /
+        tp); the embedding: nothing (torch skips the first stage's input pass)."""
+        h, s, b, t = self.n_embd, self.seq, micro_batch_size, tensor_parallel
+        norm = h / (t if sequence_parallel else 1)
+        unit = ACT_BYTES * s * b
+        block = unit * (7 * h / t + 2 * h + 2 * norm)
+        return [0.0] + [float(block)] * self.n_layer + [float(unit * (norm + self.vocab / t))]
+
     def layer_tp_comm(self, tensor_parallel: int) -> list[tuple[int, float, int, float]]:
         """Tensor-parallel collectives per sample (Megatron-style splits, as examples/gpt.py's plan): a block
         all-reduces its activation twice in forward (after attention and MLP) and twice in backward (their
@@ -155,7 +172,8 @@ class Model:
         return Layers(tuple(self.layer_params(t)), tuple(self.layer_forward_flops(t)),
                       tuple(self.layer_activation_bytes(1, t, sp)), self.seq, self.n_embd, self.checkpointing,
                       tuple(times) if times else None, t, tuple(self.layer_tp_comm(t)),
-                      tuple(full.layer_activation_bytes(1, t, sp)))
+                      tuple(full.layer_activation_bytes(1, t, sp)),
+                      weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp)))
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (forward + backward, no recompute): for MFU/tokens-per-second."""

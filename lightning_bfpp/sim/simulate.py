@@ -204,7 +204,7 @@ class _Play:
 
     def compute(self, r: _Rank, a: tuple) -> bool:
         """A forward or backward: starts when the host, its weights and its input are ready; False if the
-        input is not produced yet. Records activation, workspace and unsharded-gradient bytes."""
+        input is not produced yet. Records activation, workspace, unsharded-gradient and weight-pass bytes."""
         code, s, mb, need, local = a
         if need is None:
             t_in = 0.0
@@ -221,10 +221,13 @@ class _Play:
                 r.mem.append((t0 + dur, -st.activation, "activations"))
         else:  # a backward, or its input part I (the activations stay for W) or its weight part W
             dur = st.backward * (1 - st.weight_fraction if code == _I else st.weight_fraction if code == _W else 1)
-            if code == _I:
+            if code == _I:  # what it keeps for W stays until W ends
                 self.inputs[(s, "W", mb)] = t0 + dur
+                r.mem.append((t0 + dur, st.weight_pass_bytes, "weight_pass"))
             else:
                 r.mem.append((t0 + dur, -st.activation, "activations"))
+                if code == _W:
+                    r.mem.append((t0 + dur, -st.weight_pass_bytes, "weight_pass"))
             if st.workspace:
                 r.mem += [(t0, st.workspace, "workspace"), (t0 + dur, -st.workspace, "workspace")]
             if self.full and s not in r.grads:

@@ -214,6 +214,22 @@ def test_breadth_first_zb_splits_each_backward_and_fills_half_the_bubble():
     assert peak(zb) == peak(bf)
 
 
+def test_breadth_first_zb_loses_nothing_to_the_first_stages_unsplit_backward():
+    """torch's first stage has no input-gradient pass to split off (its input needs no gradient): its I does nothing
+    and its W the whole backward. The order still idles only for the pipeline's fill, 3·L·m + pp − 1 unit ticks, at
+    every layout with m >= pp (an order played with I = W = 1 there took 27 ticks at pp=2, loops=2, m=4; 55 at pp=4,
+    loops=2, m=8)."""
+    from lightning_bfpp.sim import simulate, unit_costs
+
+    for pp, loops, m in itertools.product((2, 3, 4), (1, 2, 4), (4, 8)):
+        if m < pp:
+            continue
+        spec = ScheduleSpec("breadth_first_zb", pipeline_parallel=pp, loops=loops, micro_batches=m)
+        costs = unit_costs(spec.num_stages, pp)
+        assert costs.stages[0].weight_fraction == 1.0 and costs.stages[1].weight_fraction == 0.5
+        assert simulate(build_schedule(spec), costs).step_time == 3 * loops * m + pp - 1, (pp, loops, m)
+
+
 def test_validator_rejects_a_weight_pass_before_its_input_pass():
     sched = build_schedule(ScheduleSpec("breadth_first_zb", pipeline_parallel=2, loops=2, micro_batches=2))
     i, w = Action(0, Op.BACKWARD_INPUT, 1), Action(0, Op.BACKWARD_WEIGHT, 1)

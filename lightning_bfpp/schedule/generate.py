@@ -74,7 +74,9 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
     order of forwards and I passes, with one freedom: on its last local stage of a group (whose backward follows its
     forwards at once, so its weights stay gathered either way) an I runs as soon as its input is there, between the
     remaining forwards. A W waits until the rank would otherwise idle (oldest first); the rest follow the rank's last
-    I. The order is found by playing all ranks with unit times (F = I = W = 1) and instant messages."""
+    I. The order is found by playing all ranks with unit times (F = I = W = 1) and instant messages, except on the
+    first stage: its input needs no gradient, so torch's I there does nothing and its W the whole backward (I = 0,
+    W = 2; ``sim.cost`` times it so too)."""
     pp, last = spec.pipeline_parallel, spec.num_stages - 1
     todo = {r: [Action(a.stage, Op.BACKWARD_INPUT if a.op == Op.BACKWARD else a.op, a.micro_batch)
                 for a in _breadth_first(spec, r)] for r in range(pp)}
@@ -99,20 +101,24 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
                 return first_i
         return head if ready(head, tick) else None
 
-    tick = 0
+    def ticks(a: Action) -> int:
+        return 1 if a.stage > 0 or a.op == Op.FORWARD else 0 if a.op == Op.BACKWARD_INPUT else 2
+
+    tick, free_at = 0, dict.fromkeys(range(pp), 0)
     while any(todo.values()):
         for r in range(pp):
-            a = pick(r, tick) if todo[r] else None
-            if a is not None:
-                todo[r].remove(a)
-                if a.op == Op.BACKWARD_INPUT:
-                    deferred[r].append(Action(a.stage, Op.BACKWARD_WEIGHT, a.micro_batch))
-            elif deferred[r]:
-                a = deferred[r].pop(0)
-            else:
-                continue
-            order[r].append(a)
-            finished[(a.op, a.stage, a.micro_batch)] = tick + 1
+            while tick >= free_at[r]:  # a first-stage I takes no time: the rank goes on in the same tick
+                a = pick(r, tick) if todo[r] else None
+                if a is not None:
+                    todo[r].remove(a)
+                    if a.op == Op.BACKWARD_INPUT:
+                        deferred[r].append(Action(a.stage, Op.BACKWARD_WEIGHT, a.micro_batch))
+                elif deferred[r]:
+                    a = deferred[r].pop(0)
+                else:
+                    break
+                order[r].append(a)
+                free_at[r] = finished[(a.op, a.stage, a.micro_batch)] = tick + ticks(a)
         tick += 1
     return {r: order[r] + deferred[r] for r in range(pp)}
 

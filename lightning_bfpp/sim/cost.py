@@ -51,7 +51,8 @@ class StageCost:
     reduce_host: float = 0.0  # host seconds at REDUCE_GRAD (1/m gradient scaling), not communication
     workspace: float = 0.0  # transient bytes while one of its backwards runs
     weight_fraction: float = 0.5  # of `backward`, the weight-gradient part (a matmul's input and weight gradients
-    # cost the same FLOPs): breadth_first_zb's W pass; its I pass is the rest
+    # cost the same FLOPs): breadth_first_zb's W pass; its I pass is the rest. The first stage's is 1: its input needs
+    # no gradient, so torch's I there does nothing and its W runs the whole backward
     weight_pass_bytes: float = 0.0  # what its input-gradient pass keeps until its weight pass (breadth_first_zb)
     inter_node: bool = False  # its dp collectives cross nodes (they share the rank's network interface)
     weight_bytes: int = WEIGHT_BYTES  # per parameter of its gathered weights
@@ -141,7 +142,8 @@ def build_costs(
     for s, n in enumerate(layout):
         span = range(start, start + n)
         stage = _stage_cost(layers, cluster, span, s % pp, dp, tp, micro_batch_size, sharding)
-        stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message)))
+        stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),
+                              weight_fraction=1.0 if s == 0 else stage.weight_fraction))  # torch: no I on the first
         start += n
     tokens = micro_batch_size * layers.seq
     p2p, inter_links = _p2p_links(cluster, pp, dp, tp, message)
@@ -233,8 +235,10 @@ def _tp_times(layers: Layers, cluster: Cluster, micro_batch_size: int) -> tuple[
 def unit_costs(num_stages: int, pipeline_parallel: int, *, forward: float = 1.0, backward: float = 2.0,
                unshard: float = 0.0, reduce: float = 0.0, p2p: float = 0.0, activation: float = 1.0,
                params: int = 1, sharding: str = "full") -> Costs:
-    """Uniform stages (for pictures and closed-form tests): every stage costs the same."""
-    stages = [StageCost(forward, backward, params, activation, unshard, reduce) for _ in range(num_stages)]
+    """Uniform stages (for pictures and closed-form tests): every stage costs the same (the first's backward, when
+    split, all in its weight pass, as torch runs it)."""
+    stages = [StageCost(forward, backward, params, activation, unshard, reduce, weight_fraction=1.0 if s == 0 else 0.5)
+              for s in range(num_stages)]
     pp = pipeline_parallel
     links = {(a, b): p2p for a in range(pp) for b in ((a + 1) % pp, (a - 1) % pp) if a != b}
     return Costs(stages, links, sharding, data_parallel=2 if (unshard or reduce) else 1)

@@ -19,9 +19,10 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from typing_extensions import override
 
 from .._private.lightning_api import SubprocessScriptLauncher, set_num_threads_if_needed
-from .watchdog import FAILED, pid_alive, say_stop
+from .watchdog import FAILED, say_stop
 
 LAUNCHER_PID = "BFPP_LAUNCHER_PID"  # set by the launching process for the child ranks it starts
+_LAUNCHED_BY = os.environ.pop(LAUNCHER_PID, "")  # in such a child: its launcher's pid (read once, not passed on)
 OBSERVER_WAIT = 9.0  # seconds the launching process gives its watchdog (1 s poll + 5 s grace + 1 s) after a child's failure
 
 
@@ -42,7 +43,10 @@ class CheckingLauncher(SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             os.environ[LAUNCHER_PID] = str(os.getpid())  # the children's copy: who to watch while they join
-            self._call_children_scripts()
+            try:
+                self._call_children_scripts()
+            finally:
+                os.environ.pop(LAUNCHER_PID, None)  # nothing else this process starts inherits it
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             ChildObserver(self.procs, first, OBSERVER_WAIT, self.stop_children).start()
         set_num_threads_if_needed(num_processes=self.num_processes)
@@ -96,18 +100,19 @@ def launcher_watched(rank: Callable[[], int], poll: float = 0.5) -> Iterator[Non
     """In a child rank of Lightning's launcher: while the job's processes join (before the watchdog, which notices a
     lost store, starts), end this rank when the launching process is gone (e.g. SIGKILLed, out of memory) instead
     of waiting out the rendezvous' timeout for a store that will never come. Elsewhere: nothing."""
-    launcher = int(os.environ.get(LAUNCHER_PID, "0"))
-    if not launcher or launcher == os.getpid() or (os.getppid() != launcher and pid_alive(launcher)):
-        yield  # not a child of a live launching process (its own parent or already gone): nothing to watch
+    if not _LAUNCHED_BY:
+        yield
         return
-    joined = threading.Event()
+    launcher, joined = int(_LAUNCHED_BY), threading.Event()
 
     def watch() -> None:
-        while not joined.wait(poll):
+        while True:
             if os.getppid() != launcher:  # re-parented: the launching process died
                 say_stop(rank(), f"the launching process (rank 0, pid {launcher}) is gone before every rank joined "
                                "the job")
                 os._exit(FAILED)
+            if joined.wait(poll):
+                return
 
     thread = threading.Thread(target=watch, daemon=True, name="bfpp-launcher-watch")
     thread.start()

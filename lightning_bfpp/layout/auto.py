@@ -17,7 +17,7 @@ from ..schedule import SCHEDULES, ScheduleSpec
 from ..schedule.dims import LayoutError, ParallelDims, divisors
 from ..sim import Cluster, Layers, SimOptions, WireBytes, build_costs, simulate
 from ..sim.planner import DEFAULT_LOOPS, Candidate, Plan, candidate_schedule, search
-from .layer_cost import measure_layer_times, time_balanced_layout
+from .layer_cost import _tensors, measure_layer_times, time_balanced_layout
 
 # the knobs layout="auto" chooses (BFPPStrategy's argument names); any the user sets is pinned
 KNOBS = ("pipeline_parallel", "loops", "micro_batches", "groups", "schedule", "sharding", "reshard_after_forward")
@@ -98,8 +98,8 @@ def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target
                        if isinstance(t, torch.Tensor)] + [sent[i]])
 
     def weighted(_m, _a, out, i: int) -> None:
-        weight_outputs[i] += sum(t.numel() * t.element_size() for t in ([out] if isinstance(out, torch.Tensor) else
-                                 out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor) and t.requires_grad)
+        if isinstance(out, (torch.Tensor, tuple, list)):
+            weight_outputs[i] += sum(t.numel() * t.element_size() for t in _tensors(out) if t.requires_grad)
 
     hooks = [h for i, layer in enumerate(layers) for h in (
         layer.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i)),

@@ -1,8 +1,9 @@
-# Scope: auto_layout_ratio — throughput of BFPPStrategy(layout="auto")'s pick ÷ the best of a grid of hand-set layouts
-# (pp in {1, 2}, loops in {1, 2, 4}, m in {2, 4, 8}, every legal schedule; sharding full) at one global batch, in one
-# launch of 2 processes; each round runs every layout and auto in rotated order (auto measures and decides anew in
-# every round). Only steady-state step periods count (auto's measurement at setup is reported apart: startup_s).
-"""layout="auto" against hand-set layouts (BENCHMARKS.md "Automatic layout").
+"""Auto_layout_ratio — throughput of BFPPStrategy(layout="auto")'s pick ÷ the best of a grid of hand-set layouts
+(pp in {1, 2}, loops in {1, 2, 4}, m in {2, 4, 8}, every legal schedule; sharding full) at one global batch, in one
+launch of 2 processes; each round runs every layout and auto in rotated order (auto measures and decides anew in
+every round). Only steady-state step periods count (auto's measurement at setup is reported apart: startup_s).
+
+layout="auto" against hand-set layouts (BENCHMARKS.md "Automatic layout").
 
     python benchmarks/auto_layout.py --quick                 # 12 layouts x 2 rounds, 5 steps (~4 min on 2 busy cores)
     python benchmarks/auto_layout.py --rounds 5              # the full grid, 8 steps (~60 layouts: ~40 min per round)

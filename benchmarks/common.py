@@ -1,5 +1,5 @@
-# Scope: what every benchmark shares — launching benchmarks/worker.py in clean processes, reading
-# the per-rank result files back, model presets from conf/model/, and median/spread statistics.
+"""What every benchmark shares — launching benchmarks/worker.py in clean processes, reading
+the per-rank result files back, model presets from conf/model/, and median/spread statistics."""
 from __future__ import annotations
 
 import json

@@ -18,7 +18,7 @@ import sys
 import time
 
 import common  # noqa: F401  (puts examples/ and tests/ on sys.path)
-from common import clean_env, model_config, rotate, summarize, fmt
+from common import clean_env, fmt, model_config, rotate, summarize
 
 WORK = """
 import json, statistics, sys, time, torch

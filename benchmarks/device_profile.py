@@ -16,13 +16,12 @@ import json
 import time
 from pathlib import Path
 
-import torch
-from lightning.pytorch import Callback
-
 import common  # noqa: F401  (puts the repository and examples/ on sys.path)
+import torch
 from device import GPU_MODEL, TINY_MODEL
 from gpt import GPTConfig
 from gpu import one_stage_run, raw_loop
+from lightning.pytorch import Callback
 
 
 def _activities() -> list:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 import common  # noqa: E402,F401  (puts examples/ and tests/ on sys.path)
-from procenv import free_port  # noqa: E402
-
 from common import clean_env  # noqa: E402
+from procenv import free_port  # noqa: E402
 
 ARGS = ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=1", "schedule.micro_batches=2",
         "trainer.max_steps=3", "trainer.limit_val_batches=1", "trainer.val_check_interval=3", "logger=none",

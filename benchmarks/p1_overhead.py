@@ -1,6 +1,6 @@
-# Scope: P1 (overhead of bfpp inside Lightning vs a raw torch.distributed.pipelining loop) and the
-# comparison row against Lightning's own FSDP (ModelParallelStrategy + fully_shard), measured in one
-# launch of 2 processes as interleaved rounds: each round runs raw, bfpp and FSDP, in rotated order.
+"""P1 (overhead of bfpp inside Lightning vs a raw torch.distributed.pipelining loop) and the
+comparison row against Lightning's own FSDP (ModelParallelStrategy + fully_shard), measured in one
+launch of 2 processes as interleaved rounds: each round runs raw, bfpp and FSDP, in rotated order."""
 from __future__ import annotations
 
 import statistics

@@ -1,6 +1,6 @@
-# Scope: P4 — throughput of pp=2 (two processes, one thread each) vs one process with one thread,
-# same model and global batch. Each pair is two separate launches (1 process, then 2, order rotated);
-# only steady-state step periods are compared, so process start-up does not count.
+"""P4 — throughput of pp=2 (two processes, one thread each) vs one process with one thread,
+same model and global batch. Each pair is two separate launches (1 process, then 2, order rotated);
+only steady-state step periods are compared, so process start-up does not count."""
 from __future__ import annotations
 
 import statistics

@@ -1,6 +1,6 @@
-# Scope: P5 — per-rank parameter + gradient + optimizer-state bytes under bfpp with FSDP
-# (sharding=full, pp x dp processes) vs full model / (pp*dp). The gap is split into what the
-# pipeline partition causes (stages are whole layers) and what FSDP's padding of uneven shards adds.
+"""P5 — per-rank parameter + gradient + optimizer-state bytes under bfpp with FSDP
+(sharding=full, pp x dp processes) vs full model / (pp*dp). The gap is split into what the
+pipeline partition causes (stages are whole layers) and what FSDP's padding of uneven shards adds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,14 +18,14 @@ def model_layers(model: str) -> list[int]:
 
 def run(out: Path, *, model: str, batch: int, steps: int, pp: int = 2, dp: int = 2, loops: int = 2,
         micro_batches: int = 4, schedule: str = "breadth_first") -> dict:
-    from lightning_bfpp.layout.partition import balanced_layout
+    from lightning_bfpp.layout.partition import balanced_stage_layers
 
     job = {"kind": "bfpp", "model": model, "batch": batch, "steps": steps, "pp": pp, "loops": loops,
            "m": micro_batches, "schedule": schedule, "sharding": "full"}
     res = launch(out, pp * dp, [job])[0]
     layers = model_layers(model)
     total = sum(layers)
-    layout = balanced_layout(layers, pp * loops)
+    layout = balanced_stage_layers(layers, pp * loops)
     stage_params, start = [], 0
     for n in layout:
         stage_params.append(sum(layers[start : start + n]))

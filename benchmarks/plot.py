@@ -1,5 +1,5 @@
-# Scope: one figure of the benchmark summary (benchmarks/results/summary.png): P1/FSDP ratios,
-# P2 bubble per schedule vs formula, P4 speedup, P5 per-rank memory and activations per schedule.
+"""One figure of the benchmark summary (benchmarks/results/summary.png): P1/FSDP ratios,
+P2 bubble per schedule vs formula, P4 speedup, P5 per-rank memory and activations per schedule."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _bar(ax, labels, stats, goal=None, goal_label=""):

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from common import ROOT, fmt  # noqa: E402
+from common import ROOT, fmt
 
 MiB = 2**20
 

@@ -20,14 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import auto_layout  # noqa: E402
-import p1_overhead  # noqa: E402
-import p2_bubble  # noqa: E402
-import p4_scaling  # noqa: E402
-import p5_memory  # noqa: E402
-import torch_schedules  # noqa: E402
-from common import ROOT  # noqa: E402
-from plot import plot  # noqa: E402
+import auto_layout
+import p1_overhead
+import p2_bubble
+import p4_scaling
+import p5_memory
+import torch_schedules
+from common import ROOT
+from plot import plot
 
 GOALS = {"p1_overhead_ratio": ("<=", 1.05), "p2_bubble_abs_error": ("<=", 0.05), "p4_speedup": (">=", 1.6),
          "p5_memory_ratio_error": ("<=", 0.05), "auto_layout_ratio": (">=", 0.95)}

@@ -28,9 +28,9 @@ from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, OptimConfig  # noqa: E402
+from gpt import GPT, GPTConfig, OptimConfig
 
-from lightning_bfpp import BFPPStrategy  # noqa: E402
+from lightning_bfpp import BFPPStrategy
 
 MICRO, M = 2, 2  # sequences per micro-batch, micro-batches per step and replica
 LAYOUTS = {"tp1": dict(tensor_parallel=1), "tp2": dict(tensor_parallel=2), "tp2+sp": dict(tensor_parallel=2, sequence_parallel=True)}

@@ -40,10 +40,10 @@ SCHEDULES = {"breadth_first": 2, "depth_first": 2, "gpipe": 1, "1f1b": 1}  # nam
 def _worker(out: Path, configs: list[dict]) -> None:
     import torch
     import yaml
+    from gpt import GPT, GPTConfig, OptimConfig
     from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader, TensorDataset
 
-    from gpt import GPT, GPTConfig, OptimConfig
     from lightning_bfpp import BFPPStrategy
 
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))

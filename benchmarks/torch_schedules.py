@@ -1,7 +1,7 @@
-# Scope: bfpp's four schedules against torch.distributed.pipelining's own public classes over the same stages
-# (same parameter-balanced cut, same micro-batches, same AdamW): ScheduleLoopedBFS (breadth_first, loops=2),
-# ScheduleInterleaved1F1B (depth_first, loops=2), ScheduleGPipe, Schedule1F1B. One launch of 2 processes;
-# each round runs every (schedule, bfpp/torch) pair in rotated order; ratio per round = bfpp ÷ torch throughput.
+"""Bfpp's four schedules against torch.distributed.pipelining's own public classes over the same stages
+(same parameter-balanced cut, same micro-batches, same AdamW): ScheduleLoopedBFS (breadth_first, loops=2),
+ScheduleInterleaved1F1B (depth_first, loops=2), ScheduleGPipe, Schedule1F1B. One launch of 2 processes;
+each round runs every (schedule, bfpp/torch) pair in rotated order; ratio per round = bfpp ÷ torch throughput."""
 from __future__ import annotations
 
 import statistics

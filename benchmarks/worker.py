@@ -34,10 +34,10 @@ from lightning.pytorch import Callback, Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 from common import model_config  # noqa: E402  (started with procenv.clean_env: examples/ is on PYTHONPATH)
+from data import ByteWindows, load_corpus, split_corpus  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, lr_factor  # noqa: E402
 
 from lightning_bfpp import BFPPStrategy  # noqa: E402
-from data import ByteWindows, load_corpus, split_corpus  # noqa: E402
 from lightning_bfpp.runtime.instrument import SavedActivationMeter, local_bytes, optimizer_bytes  # noqa: E402
 
 _CORPUS: dict[int, ByteWindows] = {}

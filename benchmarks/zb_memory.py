@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 
+import common  # noqa: F401  (the repository and examples/ on sys.path)
 import torch
+from gpt import GPT, GPTConfig
 from lightning.pytorch import Trainer
 from torch.distributed.pipelining import PipelineStage
 
-import common  # noqa: F401  (the repository and examples/ on sys.path)
-from gpt import GPT, GPTConfig  # noqa: E402
-
-from lightning_bfpp import BFPPStrategy  # noqa: E402
+from lightning_bfpp import BFPPStrategy
 
 
 def retained_grad_bytes(stage: PipelineStage) -> int:

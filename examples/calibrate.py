@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
-
 from procenv import free_port, runqueue_wait  # examples/procenv.py, next to this script
 
 from lightning_bfpp.sim.calibration import SHAPE_KEYS, load_cluster, save_cluster, summarize

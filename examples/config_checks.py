@@ -1,8 +1,8 @@
-# Scope: examples/train.py's preflight — the rules of the app's own Hydra keys (cluster, data, model, optim,
-# trainer), checked in the launching process before the Trainer starts any process. Each error names the key,
-# its value, the rule and a fix. The layout (world, schedule knobs, layers, batch) is checked by the library's
-# own rules (lightning_bfpp.schedule.dims.ParallelDims) in the app's key names; stage_layers and the model's
-# layers by BFPPStrategy's launcher, and `ckpt_path` by its launcher.
+"""Examples/train.py's preflight — the rules of the app's own Hydra keys (cluster, data, model, optim,
+trainer), checked in the launching process before the Trainer starts any process. Each error names the key,
+its value, the rule and a fix. The layout (world, schedule knobs, layers, batch) is checked by the library's
+own rules (lightning_bfpp.schedule.dims.ParallelDims) in the app's key names; stage_layers and the model's
+layers by BFPPStrategy's launcher, and `ckpt_path` by its launcher."""
 from __future__ import annotations
 
 import inspect

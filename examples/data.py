@@ -1,6 +1,6 @@
-# Scope: a byte-level text corpus that needs no download — the Python standard library's own .py
-# files, read in sorted order and capped — plus the LightningDataModule the examples train on.
-# NOTE: the corpus is deterministic for one Python build; another Python version means other bytes.
+"""A byte-level text corpus that needs no download — the Python standard library's own .py
+files, read in sorted order and capped — plus the LightningDataModule the examples train on.
+NOTE: the corpus is deterministic for one Python build; another Python version means other bytes."""
 from __future__ import annotations
 
 import sysconfig

@@ -1,5 +1,5 @@
-# Scope: the example model — a byte-level, nanoGPT-style GPT as a LightningModule that opts into
-# bfpp through PipelineHooks. It trains the same way with or without `strategy="bfpp"`.
+"""The example model — a byte-level, nanoGPT-style GPT as a LightningModule that opts into
+bfpp through PipelineHooks. It trains the same way with or without `strategy="bfpp"`."""
 from __future__ import annotations
 
 import math
@@ -170,7 +170,11 @@ class GPT(PipelineHooks, L.LightningModule):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         from lightning_bfpp.layout.tensor_parallel import (
-            replicated_output, sequence_gather, sequence_parallel_norm, sequence_scatter)
+            replicated_output,
+            sequence_gather,
+            sequence_parallel_norm,
+            sequence_scatter,
+        )
 
         if self.cfg.n_head % tensor_parallel:
             fits = [t for t in range(1, self.cfg.n_head + 1) if self.cfg.n_head % t == 0]

@@ -19,8 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run_dir  # noqa: E402  (the run directory's name)
-from config_checks import is_int  # noqa: E402
+import run_dir
+from config_checks import is_int
 
 run_dir.register_resolvers()
 

@@ -1,6 +1,6 @@
-# Scope: starting fresh distributed processes from a script, a test or a benchmark: a free local port
-# and an environment without the variables of whatever launcher started the caller (tests, benchmarks and
-# examples/calibrate.py start worker processes).
+"""Starting fresh distributed processes from a script, a test or a benchmark: a free local port
+and an environment without the variables of whatever launcher started the caller (tests, benchmarks and
+examples/calibrate.py start worker processes)."""
 from __future__ import annotations
 
 import os

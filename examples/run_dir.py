@@ -1,8 +1,8 @@
-# Scope: examples/train.py's run directory — its default name (unique per launch, shared by every rank of
-# one job) and a lock that keeps two live runs out of one directory.
-#   outputs/<date>/<time>-<6 hex>/   one launch (the popen launcher's children get the parent's dir)
-#   outputs/torchrun-<rdzv id>/, outputs/slurm-<job>.<step>/   every rank started by torchrun / SLURM
-#   <run dir>/.run.lock              {"pid", "host", "start"} of the launching process while it runs
+"""Examples/train.py's run directory — its default name (unique per launch, shared by every rank of
+one job) and a lock that keeps two live runs out of one directory.
+outputs/<date>/<time>-<6 hex>/   one launch (the popen launcher's children get the parent's dir)
+outputs/torchrun-<rdzv id>/, outputs/slurm-<job>.<step>/   every rank started by torchrun / SLURM
+<run dir>/.run.lock              {"pid", "host", "start"} of the launching process while it runs"""
 from __future__ import annotations
 
 import json

@@ -1,13 +1,13 @@
-# Scope: the Hydra entry point — train the example GPT (or a random-init Hugging Face GPT-2/Llama: model.family)
-# on the stdlib byte corpus with any schedule.
-#   python examples/train.py                                   # defaults: conf/train.yaml
-#   python examples/train.py model=hf_llama_tiny cluster=cpu_2 # lightning_bfpp.hf.CausalLM (pip install lightning-bfpp[hf])
-#   python examples/train.py model=hf_pretrained model.path=DIR  # fine-tune a save_pretrained model, read per stage
-#   python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
-#   python examples/train.py -m schedule=breadth_first,depth_first
-#   torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
-#   python examples/train.py checkpoint.every_n_steps=100      # then: ckpt_path=<run dir>/checkpoints/step-100.ckpt
-#   python examples/train.py +trainer.max_epochs=1             # any other lightning.Trainer argument
+"""The Hydra entry point — train the example GPT (or a random-init Hugging Face GPT-2/Llama: model.family)
+on the stdlib byte corpus with any schedule.
+python examples/train.py                                   # defaults: conf/train.yaml
+python examples/train.py model=hf_llama_tiny cluster=cpu_2 # lightning_bfpp.hf.CausalLM (pip install lightning-bfpp[hf])
+python examples/train.py model=hf_pretrained model.path=DIR  # fine-tune a save_pretrained model, read per stage
+python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
+python examples/train.py -m schedule=breadth_first,depth_first
+torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
+python examples/train.py checkpoint.every_n_steps=100      # then: ckpt_path=<run dir>/checkpoints/step-100.ckpt
+python examples/train.py +trainer.max_epochs=1             # any other lightning.Trainer argument"""
 from __future__ import annotations
 
 import dataclasses
@@ -26,14 +26,14 @@ from omegaconf import DictConfig, OmegaConf
 
 if __package__:  # `python -m examples.train` (Lightning's launcher relaunches it so): the example's modules are here
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run_dir as rundir  # noqa: E402
-from config_checks import ConfigError, check_config  # noqa: E402
-from gpt import GPT, GPTConfig, OptimConfig, flops_per_token  # noqa: E402
+import run_dir as rundir
+from config_checks import ConfigError, check_config
+from data import CorpusDataModule
+from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
 
-from lightning_bfpp import BFPPStrategy  # noqa: E402  (also registers strategy="bfpp")
-from data import CorpusDataModule  # noqa: E402  (examples/data.py)
-from lightning_bfpp.hf import CausalLM  # noqa: E402  (imports no transformers)
-from lightning_bfpp.user.metrics import PipelineMetrics, run_layout  # noqa: E402
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.adapter.metrics import PipelineMetrics, run_layout
+from lightning_bfpp.hf import CausalLM
 
 log = logging.getLogger(__name__)
 rundir.register_resolvers()  # the run directory's name in conf/train.yaml (examples/run_dir.py)
@@ -118,8 +118,9 @@ def build_strategy(cfg: DictConfig, run_dir: Path | None = None):
         # schedule.layout=auto: the knobs typed on the command line (schedule=1f1b, schedule.loops=2) are pinned, the
         # others are the planner's; every layout trains data.batch_size samples per step (the data module loads
         # data.batch_size / data_parallel per replica); the layers are timed on block_size-token micro-batches
-        from lightning_bfpp.layout.auto import KNOBS, AutoLayout
         import torch
+
+        from lightning_bfpp.layout.auto import KNOBS, AutoLayout
 
         typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
         keys = {o.lstrip("+~").split("=", 1)[0] for o in typed}
@@ -158,7 +159,7 @@ def checkpoint_meta(ckpt_path: str | None) -> dict:
 
     try:
         return read_meta(ckpt_path)
-    except Exception:  # noqa: BLE001 - any unreadable checkpoint
+    except Exception:
         return {}
 
 

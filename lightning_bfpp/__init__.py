@@ -17,7 +17,7 @@ from typing import Any
 _LAZY = {
     "BFPPStrategy": "lightning_bfpp.strategy",
     "PipelineHooks": "lightning_bfpp.contract.hooks",
-    "PipelineMetrics": "lightning_bfpp.user.metrics",
+    "PipelineMetrics": "lightning_bfpp.adapter.metrics",
     "ScheduleError": "lightning_bfpp.schedule",
     "ScheduleSpec": "lightning_bfpp.schedule",
     "build_schedule": "lightning_bfpp.schedule",

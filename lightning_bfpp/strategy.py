@@ -1,6 +1,6 @@
 """``BFPPStrategy``: the Lightning hooks, dispatching to the parts. Settings are checked (``layout.plan``), the mesh
 is built, the model is cut into looped stages and sharded (``layout``), and the training and evaluation steps run the
-pipeline schedule (``runtime``, ``user``); everything else (launchers, sampler, loops) is Lightning's
+pipeline schedule (``runtime``, ``adapter``); everything else (launchers, sampler, loops) is Lightning's
 ModelParallelStrategy."""
 from __future__ import annotations
 
@@ -17,9 +17,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from . import checkpoint as ckpt
-from ._private.lightning_api import SubprocessScriptLauncher, optimizers_to_device
-from ._private.lightning_api import process_group_timeout, set_module_device_mesh, unwrap_optimizer
+from ._private.lightning_api import (
+    SubprocessScriptLauncher,
+    optimizers_to_device,
+    process_group_timeout,
+    set_module_device_mesh,
+    unwrap_optimizer,
+)
 from ._private.torch_api import check_compile
+from .adapter.collectives import ReplicaCollectives
+from .adapter.handover import GradHandover
+from .adapter.loader import check_split, check_training_loader
+from .adapter.nonfinite import NonfiniteLoss
+from .adapter.precision import pipeline_precision
+from .adapter.same_batch import check_same_batch
+from .adapter.steps import run_on_last_stage, user_step
 from .contract.hooks import built_in_configure_model, check_callbacks, check_module, contract_notes, training_batch
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
@@ -37,13 +49,6 @@ from .runtime.measure import check_every_n_steps, measure_now, step_stats
 from .runtime.pipeline import PipelineRunner, batch_rows
 from .runtime.reduce import clip_grad_norm_on_mesh, share_from_ranks
 from .schedule import Schedule
-from .user.collectives import ReplicaCollectives
-from .user.handover import GradHandover
-from .user.loader import check_split, check_training_loader
-from .user.nonfinite import NonfiniteLoss
-from .user.precision import pipeline_precision
-from .user.same_batch import check_same_batch
-from .user.steps import run_on_last_stage, user_step
 
 
 class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
@@ -144,7 +149,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                                reshard_after_forward, stage_layers, layout, global_batch_size)
         self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, tensor_parallel)
         self._contract_announced = False
-        self._check_batch = True  # the next batch is compared across the ranks of each replica (user.same_batch)
+        self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
         self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
@@ -303,15 +308,15 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def _build_pipeline(self, module) -> PipelineRunner:
         layers = list(module.pipeline_layers())
         plans = layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel) if self.tensor_parallel > 1 else {}
-        layout = self.stage_layers
+        stage_layers = self.stage_layers
         on_meta = has_meta_tensors(module)  # the same on every rank: every process built the same model
-        if layout == "auto":
-            layout, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
+        if stage_layers == "auto":
+            stage_layers, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
                                                                  self.spec.micro_batches, self.root_device)
             rank_zero_info(line)
         seed = self.broadcast(torch.initial_seed()) if on_meta else 0  # rank 0's: one initialization for all ranks
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
-        modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, layout,
+        modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
                                                          self.global_rank, process_group_timeout(self))
         if on_meta:  # only this rank's stages remain in `module`: they get memory and their weights here
             materialize(module, self.root_device, seed, init_hook(module))
@@ -326,7 +331,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
 
     def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
         """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see
-        ``lightning_bfpp.user.precision``): the norm is all-reduced over pipeline ranks (and data-parallel ranks when
+        ``lightning_bfpp.adapter.precision``): the norm is all-reduced over pipeline ranks (and data-parallel ranks when
         gradients are sharded); copies of a shared weight count once."""
         not_counted = self.tied.not_counted() if self.tied is not None else set()
         clip_grad_norm_on_mesh(params, max_norm, self.device_mesh, self.dims.sharded, not_counted)
@@ -424,7 +429,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
 
     def _run_user_step(self, method) -> tuple[Any, list[str]]:
         """`method()` on the ranks holding the last stage; its logs replayed and its result returned on every
-        rank (see ``lightning_bfpp.user.steps``)."""
+        rank (see ``lightning_bfpp.adapter.steps``)."""
         assert self.runner is not None
         pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
 

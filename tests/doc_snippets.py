@@ -1,14 +1,14 @@
-# Scope: the code blocks of the README and the documentation (README.md, BENCHMARKS.md, docs/*.md), as
-# tests/test_docs_snippets.py runs them: which blocks there are, how each is marked, and the command lines a
-# `run with:` mark turns into. Pure Python (no torch), so tests/conftest.py can count them for its summary.
-#
-# Every ```python and ```bash block runs, unless the line right above its opening fence marks it:
-#   <!-- not run: REASON -->     not run; the reason is required (a GPU cluster, SLURM, minutes of benchmarks, ...)
-#   <!-- run with: OVERRIDES --> runs with these Hydra overrides on each command that runs a script of examples/:
-#                                an override replaces the command's own value of that key, or is appended, so a
-#                                block can show the real command (400 steps, 8 MB of data) and run in seconds.
-# Blocks of one file run in order in one directory (a later block may use an earlier one's files: an export
-# reads the checkpoint a training command wrote). A python block that starts with `>>>` runs as a doctest.
+"""The code blocks of the README and the documentation (README.md, BENCHMARKS.md, docs/*.md), as
+tests/test_docs_snippets.py runs them: which blocks there are, how each is marked, and the command lines a
+`run with:` mark turns into. Pure Python (no torch), so tests/conftest.py can count them for its summary.
+
+Every ```python and ```bash block runs, unless the line right above its opening fence marks it:
+<!-- not run: REASON -->     not run; the reason is required (a GPU cluster, SLURM, minutes of benchmarks, ...)
+<!-- run with: OVERRIDES --> runs with these Hydra overrides on each command that runs a script of examples/:
+an override replaces the command's own value of that key, or is appended, so a
+block can show the real command (400 steps, 8 MB of data) and run in seconds.
+Blocks of one file run in order in one directory (a later block may use an earlier one's files: an export
+reads the checkpoint a training command wrote). A python block that starts with `>>>` runs as a doctest."""
 from __future__ import annotations
 
 import re

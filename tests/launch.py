@@ -8,9 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 import procenv
+import torch
 from procenv import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

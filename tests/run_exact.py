@@ -30,12 +30,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from exact_model import LateStackNet, StackNet, loader
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from exact_model import LateStackNet, StackNet, loader  # noqa: E402
-
-from lightning_bfpp import BFPPStrategy  # noqa: E402
+from lightning_bfpp import BFPPStrategy
 
 
 class Record(Callback):

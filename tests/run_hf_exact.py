@@ -17,11 +17,11 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import Path
 
+import exact_model
 import torch
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-import exact_model
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.hf import CausalLM
 from lightning_bfpp.layout.tensor_parallel import tp_sharded

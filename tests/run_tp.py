@@ -14,11 +14,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from gpt import GPT, GPTConfig, OptimConfig
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from gpt import GPT, GPTConfig, OptimConfig
 
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.layout.tensor_parallel import tp_sharded

@@ -16,10 +16,9 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from user_module import Classifier, loader, reference_loader
 
-from user_module import Classifier, loader, reference_loader  # noqa: E402
-
-from lightning_bfpp import BFPPStrategy  # noqa: E402
+from lightning_bfpp import BFPPStrategy
 
 GLOBAL_BATCH = 16
 

@@ -1,6 +1,6 @@
-# Scope: the application — Hydra configs compose, and the real command lines users type
-# (`python examples/train.py ...`, `-m` sweeps, torchrun) train, log and write summary.json.
-# Every run is a subprocess with a clean environment: Lightning's popen launcher re-runs argv.
+"""The application — Hydra configs compose, and the real command lines users type
+(`python examples/train.py ...`, `-m` sweeps, torchrun) train, log and write summary.json.
+Every run is a subprocess with a clean environment: Lightning's popen launcher re-runs argv."""
 from __future__ import annotations
 
 import inspect
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from procenv import clean_env
 
 from lightning_bfpp.checkpoint import read_meta
-from procenv import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"

@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from lightning_bfpp.layout.auto import AutoLayout, default_cluster, measure_layers, plan_layout, report
+from lightning_bfpp.layout.layer_cost import time_balanced_stage_layers
 from lightning_bfpp.schedule import ScheduleError
-from lightning_bfpp.layout.layer_cost import time_balanced_layout
 from lightning_bfpp.schedule.dims import LayoutError, ParallelDims
-from lightning_bfpp.schedule.layout import balanced_layout
-from lightning_bfpp.sim import WireBytes
-from lightning_bfpp.sim import Layers
+from lightning_bfpp.schedule.stage_cut import balanced_stage_layers
+from lightning_bfpp.sim import Layers, WireBytes
 
 CPU = torch.device("cpu")
 
@@ -76,8 +75,8 @@ def test_the_cut_follows_measured_time():
     """A head as slow as 2.7 blocks: the last of two stages gets fewer layers than the parameter count gives."""
     slow_head = layers(head=8e-5)
     ranked = plan_layout(slow_head, cluster(), 2, 8, {"pipeline_parallel": 2, "loops": 1})
-    assert balanced_layout(list(slow_head.params), 2) == [5, 5]
-    assert ranked[0][1] == time_balanced_layout([f + b for f, b in slow_head.times], 2) == [6, 4]
+    assert balanced_stage_layers(list(slow_head.params), 2) == [5, 5]
+    assert ranked[0][1] == time_balanced_stage_layers([f + b for f, b in slow_head.times], 2) == [6, 4]
 
 
 def test_no_layout_keeps_the_pins_names_them():
@@ -144,10 +143,9 @@ def test_measure_layers_is_per_sample():
 
 
 def test_app_schedule_layout_auto_pins_what_was_typed():
+    import train
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
-
-    import train
 
     conf = str(Path(__file__).resolve().parents[1] / "conf")
     typed = ["schedule.layout=auto", "schedule=1f1b", "schedule.micro_batches=4", "data.batch_size=16", "cluster=cpu_2"]

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from config_checks import ConfigError, check_config
 from hydra import compose, initialize_config_dir
-
 from launch import ROOT, clean_env
-
-from config_checks import ConfigError, check_config  # noqa: E402
 
 TRAIN = ROOT / "examples" / "train.py"
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-import lightning_bfpp.checkpoint as ckpt
 from exact_model import StackNet, reference_eval
 from launch import run_lightning
+
+import lightning_bfpp.checkpoint as ckpt
 
 STEPS = 6
 

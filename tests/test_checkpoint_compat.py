@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_app import run_cli
 
 import lightning_bfpp.checkpoint as ckpt
-from test_app import run_cli
 
 DATA = Path(__file__).parent / "data" / "pre_move"
 # the arguments the folder was written with, less its step count and checkpoint keys

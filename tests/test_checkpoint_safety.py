@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import lightning_bfpp.checkpoint as ckpt
 from exact_model import StackNet
 from launch import ROOT, SCRIPT, clean_env
-from lightning_bfpp.checkpoint.manifest import MANIFEST, STALE_TMP_S
-from lightning_bfpp.checkpoint.safety import read_dcp_metadata
 from procenv import free_port
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+import lightning_bfpp.checkpoint as ckpt
+from lightning_bfpp.checkpoint.manifest import MANIFEST, STALE_TMP_S
+from lightning_bfpp.checkpoint.safety import read_dcp_metadata
 
 TRAIN = ROOT / "examples" / "train.py"
 

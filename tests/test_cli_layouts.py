@@ -11,7 +11,6 @@ import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-
 from test_app import CONF, ROOT, clean_env, run_cli
 
 COMMON = ["optim=sgd", "logger=csv", "trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.val_check_interval=3",
@@ -117,9 +116,8 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
     out = tmp_path / "gpt.ckpt"
     subprocess.run([sys.executable, "-m", "lightning_bfpp.checkpoint", str(first / "checkpoints" / "step-4.ckpt"), str(out)],
                    env=clean_env(), cwd=ROOT, check=True, capture_output=True, timeout=120)
-    from gpt import GPT, GPTConfig
-
     from data import CorpusDataModule
+    from gpt import GPT, GPTConfig
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=COMMON + layout)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from launch import run_lightning
+
 from lightning_bfpp._private.torch_api import check_compile
 
 LAYOUT = {"pp": 2, "loops": 2, "m": 2, "steps": 4, "opt": "sgd"}

@@ -1,9 +1,8 @@
-# Scope: the stdlib byte corpus — determinism, the split, windows and the global-batch arithmetic.
+"""The stdlib byte corpus — determinism, the split, windows and the global-batch arithmetic."""
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from data import (
     ByteWindows,
     CorpusDataModule,

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from procenv import clean_env
 from test_app import ROOT
 

@@ -1,9 +1,9 @@
-# Scope: every ```python and ```bash block of README.md, BENCHMARKS.md and docs/*.md runs, or is marked as not run
-# with the reason (the marks: tests/doc_snippets.py). The README's blocks run in `make test`; the documentation's
-# with the slow tests (`make test SLOW=1`, CI). Each block runs in a fresh process, in a directory of its file's own
-# (copies of examples/ and conf/, so outputs, checkpoints and logs stay there), with examples/ on PYTHONPATH as the
-# scripts in examples/ have it; training commands get tiny settings from their `run with:` mark. The session's
-# summary says how many blocks ran and which were not run, and why (tests/conftest.py).
+"""Every ```python and ```bash block of README.md, BENCHMARKS.md and docs/*.md runs, or is marked as not run
+with the reason (the marks: tests/doc_snippets.py). The README's blocks run in `make test`; the documentation's
+with the slow tests (`make test SLOW=1`, CI). Each block runs in a fresh process, in a directory of its file's own
+(copies of examples/ and conf/, so outputs, checkpoints and logs stay there), with examples/ on PYTHONPATH as the
+scripts in examples/ have it; training commands get tiny settings from their `run with:` mark. The session's
+summary says how many blocks ran and which were not run, and why (tests/conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from doc_snippets import ROOT, collect, with_overrides
 from procenv import clean_env
 

@@ -1,4 +1,4 @@
-# Gantt picture: the library call writes a PNG; the CLI rejects illegal schedules with the message.
+"""Gantt picture: the library call writes a PNG; the CLI rejects illegal schedules with the message."""
 import subprocess
 import sys
 from pathlib import Path

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from exact_model import reference, reference_eval
 from launch import run_lightning, run_slurm, run_torchrun
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import lightning_bfpp.checkpoint as ckpt
 from exact_model import reference
 from launch import SCRIPT, clean_env, run_lightning, run_torchrun, start_lightning
+
+import lightning_bfpp.checkpoint as ckpt
 from lightning_bfpp.job.guard import STARTUP_TIMEOUT
 from lightning_bfpp.job.watchdog import pid_alive
 

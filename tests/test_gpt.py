@@ -1,10 +1,9 @@
-# Scope: the example GPT — layer shapes, the loss at init, the hooks, checkpointing, the optimizer.
+"""The example GPT — layer shapes, the loss at init, the hooks, checkpointing, the optimizer."""
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor
 
 from lightning_bfpp.contract.hooks import check_hooks

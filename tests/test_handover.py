@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_bfpp.user.handover import GradHandover
+from lightning_bfpp.adapter.handover import GradHandover
 
 ACCUMULATE, STEPS, BATCH, LR = 2, 3, 4, 0.1
 
@@ -91,7 +91,7 @@ def test_lightning_closure_order_lets_gradients_computed_in_training_step_reach_
     trainer.fit(model, DataLoader(_data(), batch_size=BATCH))
     window = ["training_step", "zero_grad", "backward"] + ["training_step", "backward"] * (ACCUMULATE - 1) + ["optimizer_step"]
     assert calls == window * STEPS, (
-        "Lightning's automatic-optimization closure order changed; lightning_bfpp.user.handover.GradHandover (and the "
+        "Lightning's automatic-optimization closure order changed; lightning_bfpp.adapter.handover.GradHandover (and the "
         f"lightning<2.7 pin) assume {window}, got {calls}"
     )
     ref_grads, ref_params = _reference()

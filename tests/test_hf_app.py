@@ -1,6 +1,6 @@
-# Scope: the app's Hugging Face model configs from the command line (model=hf_llama_tiny, model=hf_gpt2_tiny):
-# random-init tiny models built locally (nothing downloaded) train under bfpp and write summary.json; a saved model
-# (model=hf_pretrained model.path=DIR) fine-tunes.
+"""The app's Hugging Face model configs from the command line (model=hf_llama_tiny, model=hf_gpt2_tiny):
+random-init tiny models built locally (nothing downloaded) train under bfpp and write summary.json; a saved model
+(model=hf_pretrained model.path=DIR) fine-tunes."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import math
 
 import pytest
 from hydra import compose, initialize_config_dir
-
 from test_app import CONF, run_cli
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install lightning-bfpp[hf])")

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
-from launch import ROOT, clean_env  # noqa: E402
-from run_hf_exact import LR, SEQ, WIDTH, hf_model, lightning_batches  # noqa: E402
+from launch import ROOT, clean_env
+from procenv import free_port
+from run_hf_exact import LR, SEQ, WIDTH, hf_model, lightning_batches
 
-from lightning_bfpp.checkpoint import main as checkpoint_cli  # noqa: E402
-from procenv import free_port  # noqa: E402
+from lightning_bfpp.checkpoint import main as checkpoint_cli
 
 TOL = 1e-6
 STEPS, BATCH = 3, 8

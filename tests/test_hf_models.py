@@ -187,8 +187,9 @@ def test_a_decoder_layer_issues_the_collectives_the_simulator_counts(sequence_pa
     """A Llama decoder layer split by the model's own plan: two all-reduces per pass (attention's and the MLP's input
     gradients all-reduced once each, not per projection: five otherwise), or with sequence parallel an all-gather and
     a reduce-scatter for each, as the simulator counts."""
-    from lightning_bfpp.hf.causal_lm import causal_lm_side_inputs
     from test_tensor_parallel import BLOCK_COLLECTIVES, collectives
+
+    from lightning_bfpp.hf.causal_lm import causal_lm_side_inputs
 
     model = build("llama", num_key_value_heads=2)
     lm, layer = CausalLM(model), model.model.layers[0]

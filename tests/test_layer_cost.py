@@ -9,19 +9,24 @@ import pytest
 import torch
 from exact_model import StackNet, dataset
 
-from lightning_bfpp.layout.layer_cost import measure_layer_times, sample_micro_batch, stage_sums, time_balanced_layout
-from lightning_bfpp.schedule.layout import balanced_layout
+from lightning_bfpp.layout.layer_cost import (
+    measure_layer_times,
+    sample_micro_batch,
+    stage_sums,
+    time_balanced_stage_layers,
+)
+from lightning_bfpp.schedule.stage_cut import balanced_stage_layers
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_equal_times_cut_like_equal_weights(stages):
     times = [0.5] * 8
-    assert time_balanced_layout(times, stages) == balanced_layout([1] * 8, stages)
+    assert time_balanced_stage_layers(times, stages) == balanced_stage_layers([1] * 8, stages)
 
 
 def test_a_slow_head_gets_a_stage_of_its_own():
     times = [1.0] * 6 + [6.0]  # the last layer as slow as all the others together
-    counts = time_balanced_layout(times, 2)
+    counts = time_balanced_stage_layers(times, 2)
     assert counts == [6, 1]
     assert stage_sums(times, counts) == [6.0, 6.0]
 
@@ -30,7 +35,7 @@ def test_cut_minimises_the_slowest_stage_over_every_cut():
     times = [0.3, 1.0, 0.2, 0.9, 0.4, 1.5, 0.1]
     best = min(max(stage_sums(times, [a, b, len(times) - a - b]))
                for a in range(1, len(times) - 1) for b in range(1, len(times) - a))
-    assert max(stage_sums(times, time_balanced_layout(times, 3))) == pytest.approx(best)
+    assert max(stage_sums(times, time_balanced_stage_layers(times, 3))) == pytest.approx(best)
 
 
 def test_measure_layer_times_leaves_no_trace():

@@ -2,7 +2,7 @@
 
 The parts, each a folder of ``lightning_bfpp/`` whose ``__init__`` says what it may import; each may import only
 the parts listed before it: schedule (pure Python) <- sim (pure Python) <- contract <- _private <- layout <- runtime
-<- user; checkpoint and job over _private; hf over contract; the strategy and the package face over everything.
+<- adapter; checkpoint and job over _private; hf over contract; the strategy and the package face over everything.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ PARTS = {
     "_private": ("schedule", "contract"),
     "layout": ("schedule", "sim", "contract", "_private"),
     "runtime": ("schedule", "contract", "layout", "_private"),
-    "user": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
+    "adapter": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
     "checkpoint": ("_private",),
     "job": ("_private", "checkpoint"),
     "hf": ("contract", "layout"),
@@ -113,8 +113,8 @@ def test_the_check_sees_relative_lazy_and_plain_imports():
     assert violations("from . import actions\n", "lightning_bfpp.schedule", is_package=True) == []
     assert violations("from ..strategy import S\nimport lightning\n", "lightning_bfpp.runtime.pipeline") == [
         "lightning_bfpp.strategy", "lightning"]
-    assert violations("from ..user.steps import s\n", "lightning_bfpp.layout.stages") == ["lightning_bfpp.user.steps"]
-    assert violations("from ..user import steps\n", "lightning_bfpp.strategy") == []
+    assert violations("from ..adapter.steps import s\n", "lightning_bfpp.layout.stages") == ["lightning_bfpp.adapter.steps"]
+    assert violations("from ..adapter import steps\n", "lightning_bfpp.strategy") == []
 
 
 def test_every_part_says_what_it_is_and_what_it_may_import():

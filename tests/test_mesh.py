@@ -10,9 +10,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from procenv import free_port
 
 from lightning_bfpp.layout.mesh import DP, PP, TP, build_mesh
-from procenv import free_port
 
 WORLD = 4
 

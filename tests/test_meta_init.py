@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exact_model import StackNet
+from gpt import GPT, GPTConfig
 from torch import nn
 from torchmetrics import MeanMetric
 
-from exact_model import StackNet
-from gpt import GPT, GPTConfig
 from lightning_bfpp import seeded_init
 from lightning_bfpp.layout.materialize import has_meta_tensors, init_hook, materialize
 

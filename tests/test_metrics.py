@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_bfpp.user.metrics import PipelineMetrics
+from lightning_bfpp.adapter.metrics import PipelineMetrics
 
 
 def _trainer(world_size: int = 2, precision: str = "32-true"):

@@ -1,4 +1,4 @@
-# Planner: its pick beats every fixed schedule's best, respects memory, and prints train.py overrides.
+"""Planner: its pick beats every fixed schedule's best, respects memory, and prints train.py overrides."""
 import json
 import subprocess
 import sys

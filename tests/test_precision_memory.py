@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from exact_model import reference, reference_eval
 from launch import run_lightning
 

@@ -9,11 +9,11 @@ import signal
 from pathlib import Path
 
 import pytest
+from exact_model import reference
+from launch import run_lightning, run_slurm
+from test_signals import BATCH, BUDGET_S, STOPPED, WORLD, signal_job
 
-import lightning_bfpp.checkpoint as ckpt  # noqa: E402
-from exact_model import reference  # noqa: E402
-from launch import run_lightning, run_slurm  # noqa: E402
-from test_signals import BATCH, BUDGET_S, STOPPED, WORLD, signal_job  # noqa: E402
+import lightning_bfpp.checkpoint as ckpt
 
 MORE = 3  # steps the restarted run trains after the saved one
 

@@ -1,11 +1,11 @@
-"""The batch fingerprint the ranks of a replica compare (lightning_bfpp.user.same_batch): equal for the same batch,
+"""The batch fingerprint the ranks of a replica compare (lightning_bfpp.adapter.same_batch): equal for the same batch,
 different for another draw, the same samples in another order, or a NaN on one side only."""
 
 import math
 
 import torch
 
-from lightning_bfpp.user.same_batch import _same, fingerprint
+from lightning_bfpp.adapter.same_batch import _same, fingerprint
 
 
 def test_fingerprint_tells_batches_apart():
@@ -27,7 +27,7 @@ def test_nan_is_the_same_only_on_both_sides():
 def test_ragged_tail_of_a_loader():
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_bfpp.user.loader import ragged_tail as _ragged_tail
+    from lightning_bfpp.adapter.loader import ragged_tail as _ragged_tail
 
     ds = TensorDataset(torch.zeros(21, 2))
     assert _ragged_tail(DataLoader(ds, batch_size=8)) == 5

@@ -8,7 +8,16 @@ from collections import Counter
 import pytest
 
 from lightning_bfpp.schedule import (
-    SCHEDULES, Action, Op, Schedule, ScheduleError, ScheduleSpec, build_schedule, check_spec, compute_order, lower,
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    ScheduleError,
+    ScheduleSpec,
+    build_schedule,
+    check_spec,
+    compute_order,
+    lower,
     validate,
 )
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from exact_model import reference
+from launch import SCRIPT, clean_env, start_lightning
+from procenv import free_port
 
-import lightning_bfpp.checkpoint as ckpt  # noqa: E402
-from exact_model import reference  # noqa: E402
-from launch import SCRIPT, clean_env, start_lightning  # noqa: E402
-from procenv import free_port  # noqa: E402
-from lightning_bfpp.job.watchdog import pid_alive  # noqa: E402
+import lightning_bfpp.checkpoint as ckpt
+from lightning_bfpp.job.watchdog import pid_alive
 
 WORLD = 2
 BATCH = 16

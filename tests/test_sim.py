@@ -1,16 +1,26 @@
-# Simulator: closed-form bubbles, the model's comm/compute pieces, memory ordering of the schedules.
+"""Simulator: closed-form bubbles, the model's comm/compute pieces, memory ordering of the schedules."""
 import dataclasses
 import itertools
 
 import pytest
 import torch
+from gpt import GPT, GPTConfig
 from torch.distributed.pipelining._backward import stage_backward_input
 
-from gpt import GPT, GPTConfig
 from lightning_bfpp.layout.auto import measure_layers
 from lightning_bfpp.schedule import ScheduleError, ScheduleSpec, build_schedule
-from lightning_bfpp.sim import (MEGATRON, Cluster, Model, SimOptions, WireBytes, build_costs, evaluate, ring_time, simulate,
-                               unit_costs)
+from lightning_bfpp.sim import (
+    MEGATRON,
+    Cluster,
+    Model,
+    SimOptions,
+    WireBytes,
+    build_costs,
+    evaluate,
+    ring_time,
+    simulate,
+    unit_costs,
+)
 
 GRID = [
     (name, pp, loops, m)

@@ -7,15 +7,15 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from exact_model import StackNet
+from launch import ROOT, clean_env
 from lightning.pytorch import Trainer
 from torch import nn
 
 import lightning_bfpp
-from exact_model import StackNet
-from launch import ROOT, clean_env
 from lightning_bfpp import BFPPStrategy, ScheduleError
+from lightning_bfpp.layout.partition import RemoteLayer, balanced_stage_layers, plan_stages, split_stages
 from lightning_bfpp.runtime.measure import measure_now
-from lightning_bfpp.layout.partition import RemoteLayer, balanced_layout, plan_stages, split_stages
 
 
 def test_string_name_registers_the_strategy():
@@ -66,7 +66,7 @@ def test_precision_plugin_becomes_a_subclass_that_clips_globally_and_skips_autoc
     import torch
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-    from lightning_bfpp.user.precision import PipelinePrecision, pipeline_precision
+    from lightning_bfpp.adapter.precision import PipelinePrecision, pipeline_precision
 
     calls = []
     original = MixedPrecision("bf16-mixed", "cpu")
@@ -119,16 +119,16 @@ def test_world_size_not_divisible_fails_before_launch():
 
 
 def test_balanced_layout_minimises_heaviest_stage():
-    assert balanced_layout([10, 1, 1, 1, 1, 10], 3) == [1, 4, 1]
-    assert balanced_layout([1] * 8, 4) == [2, 2, 2, 2]
+    assert balanced_stage_layers([10, 1, 1, 1, 1, 10], 3) == [1, 4, 1]
+    assert balanced_stage_layers([1] * 8, 4) == [2, 2, 2, 2]
     with pytest.raises(ValueError, match="need at least as many layers"):
-        balanced_layout([1, 1], 3)
+        balanced_stage_layers([1, 1], 3)
 
 
 def test_split_keeps_global_names_and_removes_remote_layers():
     model = StackNet(n_blocks=6)
     full_keys = set(model.state_dict())
-    local, names = split_stages(model, model.pipeline_layers(), 4, [1, 3], lambda s: s % 2, layout=[2, 2, 2, 2])
+    local, names = split_stages(model, model.pipeline_layers(), 4, [1, 3], lambda s: s % 2, stage_layers=[2, 2, 2, 2])
     assert names == [["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3", "blocks.4"], ["blocks.5", "head"]]
     assert set(local[1].state_dict()) == {k for k in full_keys if k.startswith(("blocks.1.", "blocks.2."))}
     assert set(model.state_dict()) == set(local[1].state_dict()) | set(local[3].state_dict())
@@ -143,7 +143,7 @@ def test_split_keeps_global_names_and_removes_remote_layers():
 def test_layout_and_parameter_coverage_errors():
     model = StackNet(n_blocks=2)
     with pytest.raises(ValueError, match="stage_layers=\\[1, 1\\] must list 2 positive layer counts"):
-        split_stages(model, model.pipeline_layers(), 2, [0], lambda s: s, layout=[1, 1])
+        split_stages(model, model.pipeline_layers(), 2, [0], lambda s: s, stage_layers=[1, 1])
     model.extra = nn.Linear(2, 2)  # a parameter outside every pipeline layer
     with pytest.raises(ValueError, match="not inside any of pipeline_layers"):
         split_stages(model, model.pipeline_layers(), 2, [0], lambda s: s)
@@ -200,9 +200,8 @@ def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwar
     import time
 
     import torch.distributed as dist
-    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
     from exact_model import loader
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
     def no_children(self):
         raise AssertionError("a child process was started")

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from exact_model import StackNet, dataset
+from launch import run_lightning
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_bfpp.checkpoint as ckpt
-from exact_model import StackNet, dataset
-from launch import run_lightning
 
 EPOCH, MORE, BATCH = 16, 10, 16  # steps in an epoch at batch 16; steps trained after the resume
 

@@ -12,19 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import run_tp
 import torch
-
+from gpt import GPT
 from launch import ROOT, clean_env, free_port
+from lightning.pytorch import Trainer
 
-import run_tp  # noqa: E402
-from gpt import GPT  # noqa: E402
-
-from lightning_bfpp import BFPPStrategy  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
-
-from lightning_bfpp.schedule import ScheduleSpec  # noqa: E402
-from lightning_bfpp.schedule.dims import ParallelDims  # noqa: E402
-from lightning_bfpp.layout.tensor_parallel import layer_plans  # noqa: E402
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.layout.tensor_parallel import layer_plans
+from lightning_bfpp.schedule import ScheduleSpec
+from lightning_bfpp.schedule.dims import ParallelDims
 
 EXACT, RESUME = 1e-6, 1e-5
 STEPS, BATCH = 3, 8

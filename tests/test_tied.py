@@ -6,8 +6,8 @@ from __future__ import annotations
 from itertools import chain
 
 import torch
-
 from exact_model import StackNet
+
 from lightning_bfpp.layout.partition import split_stages
 from lightning_bfpp.layout.tied import TiedWeights, find_shared_weights
 

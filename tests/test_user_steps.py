@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import ROOT, clean_env
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
-
-from launch import ROOT, clean_env
-from lightning_bfpp import BFPPStrategy
 from procenv import free_port
-from lightning_bfpp.user.steps import _pack, pipeline_answers_forward, recording_logs
 from user_module import VAL, Classifier
+
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.adapter.steps import _pack, pipeline_answers_forward, recording_logs
 
 SCRIPT = ROOT / "tests" / "run_user_module.py"
 TOL = 1e-6
@@ -198,7 +198,7 @@ def test_skipping_nonfinite_losses_has_a_limit():
 
 
 def test_nonfinite_eval_values_are_named():
-    from lightning_bfpp.user.steps import replay
+    from lightning_bfpp.adapter.steps import replay
 
     model = Classifier()
     calls = [("val_loss", torch.tensor(float("nan")), {"sync_dist": True}), ("val_ok", torch.tensor(1.0), {})]
@@ -228,7 +228,7 @@ def test_step_state_changes_are_carried_to_the_other_ranks():
     """What a step does to the module's plain attributes, replayed on a rank where it did not run."""
     from collections import defaultdict
 
-    from lightning_bfpp.user import step_state
+    from lightning_bfpp.adapter import step_state
 
     def make():
         m = Classifier()
@@ -268,7 +268,7 @@ def test_empty_metric_list_states_match_the_last_stage():
     """A never-updated copy of a list-state metric (AUROC) gathers tensors of the last stage's dtype and rank."""
     from torchmetrics.classification import MulticlassAUROC
 
-    from lightning_bfpp.user.steps import give_empty_list_states, list_state_kinds
+    from lightning_bfpp.adapter.steps import give_empty_list_states, list_state_kinds
 
     ran, other = Classifier(), Classifier()
     ran.auroc = MulticlassAUROC(4)

@@ -1,7 +1,7 @@
-# Scope: the private Lightning (and torchmetrics) APIs lightning-bfpp uses. Each entry says why it is needed and which
-# public alternative was checked (Lightning 2.6.6, torchmetrics 1.9). Importing this module checks the installed
-# versions against the tested ranges (versions.SUPPORTED). Also private, and not wrappable here: the strategy
-# overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher).
+"""The private Lightning (and torchmetrics) APIs lightning-bfpp uses. Each entry says why it is needed and which
+public alternative was checked (Lightning 2.6.6, torchmetrics 1.9). Importing this module checks the installed
+versions against the tested ranges (versions.SUPPORTED). Also private, and not wrappable here: the strategy
+overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -36,7 +36,7 @@ set_num_threads_if_needed = _set_num_threads_if_needed
 
 # Lightning's strategies' all_gather (stacked, optional gradient sync) and reduce ("mean"/"sum"/ReduceOp, gloo's
 # missing AVG, a barrier first) over a process group, for bfpp's collectives over the replicas
-# (lightning_bfpp/user/collectives.py) to behave as ModelParallelStrategy's own. Public alternative checked:
+# (lightning_bfpp/adapter/collectives.py) to behave as ModelParallelStrategy's own. Public alternative checked:
 # torch.distributed.all_gather / all_reduce (would drop those rules: the same calls, reimplemented).
 all_gather_if_distributed = _all_gather_ddp_if_available
 sync_if_distributed = _sync_ddp_if_available
@@ -66,7 +66,7 @@ def process_group_timeout_at_least(strategy: ModelParallelStrategy, least: timed
         strategy._timeout = requested
 
 
-# torchmetrics Metric state that lightning_bfpp/user/steps.py carries across the pipeline group, so a metric the user logs on the
+# torchmetrics Metric state that lightning_bfpp/adapter/steps.py carries across the pipeline group, so a metric the user logs on the
 # last stage is logged with the same step value by every pipeline rank. Public alternatives checked: ``forward()``
 # (would update the states on ranks without outputs: counted twice at compute()), ``metric_state`` (the reduced
 # states, not the step value) and ``reset()`` (also clears the states).

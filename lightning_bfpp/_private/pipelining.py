@@ -1,7 +1,7 @@
-# Scope: the ONLY module touching torch.distributed.pipelining's private schedule runtime
-# (_PipelineScheduleRuntime, _Action). We feed it our own lowered action lists. Tested on torch 2.13 (the
-# import checks the range, versions.SUPPORTED). Public alternative checked: torch's schedule classes
-# (ScheduleLoopedBFS, ScheduleInterleaved1F1B, ...) have no breadth-first x groups order and their own FSDP prefetch.
+"""The ONLY module touching torch.distributed.pipelining's private schedule runtime
+(_PipelineScheduleRuntime, _Action). We feed it our own lowered action lists. Tested on torch 2.13 (the
+import checks the range, versions.SUPPORTED). Public alternative checked: torch's schedule classes
+(ScheduleLoopedBFS, ScheduleInterleaved1F1B, ...) have no breadth-first x groups order and their own FSDP prefetch."""
 from __future__ import annotations
 
 import time

@@ -1,6 +1,6 @@
-# Scope: the private torch APIs lightning-bfpp uses outside torch.distributed.pipelining's schedule runtime (that one
-# is lightning_bfpp/_private/pipelining.py). Each entry says why it is needed and which public alternative was checked (torch 2.13).
-# Importing this module checks the installed torch against the tested range (versions.SUPPORTED).
+"""The private torch APIs lightning-bfpp uses outside torch.distributed.pipelining's schedule runtime (that one
+is lightning_bfpp/_private/pipelining.py). Each entry says why it is needed and which public alternative was checked (torch 2.13).
+Importing this module checks the installed torch against the tested range (versions.SUPPORTED)."""
 from __future__ import annotations
 
 import os

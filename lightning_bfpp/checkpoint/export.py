@@ -1,4 +1,4 @@
-# Scope: a bfpp checkpoint folder consolidated into one plain file (``python -m lightning_bfpp.checkpoint``).
+"""A bfpp checkpoint folder consolidated into one plain file (``python -m lightning_bfpp.checkpoint``)."""
 from __future__ import annotations
 
 import argparse

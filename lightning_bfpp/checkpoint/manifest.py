@@ -1,7 +1,7 @@
-# Scope: is this folder a complete, intact bfpp checkpoint? A manifest (manifest.json: every file's size and
-# sha256) is written at save and verified at load, the hashing split over the ranks; cheap structural checks
-# (files present, shards as long as the metadata says) run before any process starts; errors name the file
-# and the newest complete checkpoint next to it; hidden .tmp-* folders of interrupted saves are cleaned up.
+"""Is this folder a complete, intact bfpp checkpoint? A manifest (manifest.json: every file's size and
+sha256) is written at save and verified at load, the hashing split over the ranks; cheap structural checks
+(files present, shards as long as the metadata says) run before any process starts; errors name the file
+and the newest complete checkpoint next to it; hidden .tmp-* folders of interrupted saves are cleaned up."""
 from __future__ import annotations
 
 import hashlib

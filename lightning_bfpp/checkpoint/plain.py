@@ -1,9 +1,9 @@
-# Scope: optimizer state between Lightning's plain checkpoints and bfpp's. A plain checkpoint holds torch's
-# ``optimizer.state_dict()``: parameters by position ({"state": {i: ...}, "param_groups": [{"params": [i, ...]}]}),
-# numbered group after group in the order the optimizer was given them. bfpp keeps state by parameter name. The
-# positions are named with the optimizer's param groups as the whole model's parameter names (every rank's
-# stages together), each group in the model's parameter order — as `torch.optim.X(self.parameters())` and
-# per-group filters over `named_parameters()` build them — and checked against the saved shapes.
+"""Optimizer state between Lightning's plain checkpoints and bfpp's. A plain checkpoint holds torch's
+``optimizer.state_dict()``: parameters by position ({"state": {i: ...}, "param_groups": [{"params": [i, ...]}]}),
+numbered group after group in the order the optimizer was given them. bfpp keeps state by parameter name. The
+positions are named with the optimizer's param groups as the whole model's parameter names (every rank's
+stages together), each group in the model's parameter order — as `torch.optim.X(self.parameters())` and
+per-group filters over `named_parameters()` build them — and checked against the saved shapes."""
 from __future__ import annotations
 
 from typing import Any

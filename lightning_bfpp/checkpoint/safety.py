@@ -1,7 +1,7 @@
-# Scope: reading checkpoint files without running code. Every file bfpp loads (meta.pt, DCP's .metadata, the
-# .distcp shards, a plain exported file) goes through here: torch.load(weights_only=True), and a DCP reader whose
-# .metadata unpickler admits only DCP's own metadata classes. Anything else is refused, naming the file, unless
-# the user trusts the source (BFPPStrategy(trust_checkpoints=True) or BFPP_TRUST_CHECKPOINTS=1).
+"""Reading checkpoint files without running code. Every file bfpp loads (meta.pt, DCP's .metadata, the
+.distcp shards, a plain exported file) goes through here: torch.load(weights_only=True), and a DCP reader whose
+.metadata unpickler admits only DCP's own metadata classes. Anything else is refused, naming the file, unless
+the user trusts the source (BFPPStrategy(trust_checkpoints=True) or BFPP_TRUST_CHECKPOINTS=1)."""
 from __future__ import annotations
 
 import dataclasses
@@ -146,7 +146,7 @@ class SafeReader(FileSystemReader):
                 raise
             except pickle.UnpicklingError as e:
                 raise refused(file, _needs(e)) from None
-            except Exception as e:  # noqa: BLE001 - any other failure of a shard read is the file's
+            except Exception as e:
                 raise CheckpointError(f"{file}: could not be read ({type(e).__name__}: {e}); it is damaged or "
                                       "truncated.") from None
         done: Future[None] = Future()

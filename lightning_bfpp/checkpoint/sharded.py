@@ -1,6 +1,6 @@
-# Scope: sharded checkpoints keyed by the model's global parameter names, so a checkpoint written with
-# one (pp, loops, dp) loads into any other layout; atomic saves with a checksum manifest; loading that never
-# runs code from the files (see .safety) and checks the checkpoint against the model.
+"""Sharded checkpoints keyed by the model's global parameter names, so a checkpoint written with
+one (pp, loops, dp) loads into any other layout; atomic saves with a checksum manifest; loading that never
+runs code from the files (see .safety) and checks the checkpoint against the model."""
 from __future__ import annotations
 
 import io
@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from . import plain
+from .background import BackgroundSaves
 from .manifest import (
     META_FILE,
     check_folder,
@@ -35,8 +37,6 @@ from .manifest import (
     verify_checksums,
     write_manifest,
 )
-from . import plain
-from .background import BackgroundSaves
 from .safety import TRUST_ENV, CheckpointError, SafePlanner, SafeReader, load_file, trusted
 
 # Optimizer state flattened to per-parameter keys ("state.blocks.3.fc.weight.exp_avg", "param_groups.

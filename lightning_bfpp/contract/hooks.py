@@ -1,5 +1,5 @@
-# Scope: the user-facing contract. A LightningModule opts into pipelining by defining these hooks
-# (inherit `PipelineHooks` for the defaults and docs, or define them by duck typing).
+"""The user-facing contract. A LightningModule opts into pipelining by defining these hooks
+(inherit `PipelineHooks` for the defaults and docs, or define them by duck typing)."""
 from __future__ import annotations
 
 import inspect

@@ -1,7 +1,7 @@
-# Scope: how one pipeline layer is called. Side inputs (``pipeline_side_inputs``: values computed once per
-# micro-batch, such as position ids or rotary cos/sin) go as keyword arguments to the layers whose forward
-# names them; a tuple output becomes the next layer's positional arguments, a dict its keyword arguments.
-# What may cross a stage boundary (tensors only, flat) is checked here, naming the layer.
+"""How one pipeline layer is called. Side inputs (``pipeline_side_inputs``: values computed once per
+micro-batch, such as position ids or rotary cos/sin) go as keyword arguments to the layers whose forward
+names them; a tuple output becomes the next layer's positional arguments, a dict its keyword arguments.
+What may cross a stage boundary (tensors only, flat) is checked here, naming the layer."""
 from __future__ import annotations
 
 import inspect

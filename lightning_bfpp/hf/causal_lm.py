@@ -1,11 +1,11 @@
-# Scope: Hugging Face causal language models (GPT-2, and the Llama family: any model whose config has a
-# `base_model_pp_plan`) as pipeline layers. The model's own modules are listed as they are (decoder layers),
-# or wrapped without being registered (embedding, final norm + head, decoder layers of models that mix
-# attention types), so stages and checkpoints keep the model's own parameter names. What the model's own
-# forward adds around its modules (position ids, rotary cos/sin, causal and sliding-window masks, logit
-# scaling and soft-capping) is recomputed here; `CausalLM` checks once, at construction, that the layers
-# reproduce the model's own logits, and refuses a model they do not. Needs `pip install lightning-bfpp[hf]`;
-# nothing is downloaded.
+"""Hugging Face causal language models (GPT-2, and the Llama family: any model whose config has a
+`base_model_pp_plan`) as pipeline layers. The model's own modules are listed as they are (decoder layers),
+or wrapped without being registered (embedding, final norm + head, decoder layers of models that mix
+attention types), so stages and checkpoints keep the model's own parameter names. What the model's own
+forward adds around its modules (position ids, rotary cos/sin, causal and sliding-window masks, logit
+scaling and soft-capping) is recomputed here; `CausalLM` checks once, at construction, that the layers
+reproduce the model's own logits, and refuses a model they do not. Needs `pip install lightning-bfpp[hf]`;
+nothing is downloaded."""
 from __future__ import annotations
 
 import functools

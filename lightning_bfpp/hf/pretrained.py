@@ -1,7 +1,7 @@
-# Scope: pretrained Hugging Face weights read per stage. `CausalLM.from_pretrained` builds the model on the meta device
-# (`build_on_meta`); after the cut, each rank reads only its own tensors from the model's safetensors files
-# (`SafetensorsWeights`: memory-mapped, one file open at a time, sharded indexes included). Nothing is downloaded
-# unless the name is not a local directory and the network allows it.
+"""Pretrained Hugging Face weights read per stage. `CausalLM.from_pretrained` builds the model on the meta device
+(`build_on_meta`); after the cut, each rank reads only its own tensors from the model's safetensors files
+(`SafetensorsWeights`: memory-mapped, one file open at a time, sharded indexes included). Nothing is downloaded
+unless the name is not a local directory and the network allows it."""
 from __future__ import annotations
 
 import json

@@ -1,7 +1,7 @@
-# Scope: a Hugging Face model's own tensor-parallel plan (its ``_tp_plan``: the config's ``base_model_tp_plan``
-# under the base model's name, plus ``lm_head``) as lightning_bfpp's per-layer plans (torch ParallelStyles by
-# submodule name, ``layout.tensor_parallel``), for ``CausalLM.pipeline_tp_plan``. Names are kept: the split
-# modules are the model's own, so an export still loads into the Hugging Face class.
+"""A Hugging Face model's own tensor-parallel plan (its ``_tp_plan``: the config's ``base_model_tp_plan``
+under the base model's name, plus ``lm_head``) as lightning_bfpp's per-layer plans (torch ParallelStyles by
+submodule name, ``layout.tensor_parallel``), for ``CausalLM.pipeline_tp_plan``. Names are kept: the split
+modules are the model's own, so an export still loads into the Hugging Face class."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -11,7 +11,12 @@ from typing import Any
 from torch import nn
 
 from ..layout.tensor_parallel import (
-    SEQUENCE_DIM, sequence_gather, sequence_parallel_norm, sequence_scatter, shared_input)
+    SEQUENCE_DIM,
+    sequence_gather,
+    sequence_parallel_norm,
+    sequence_scatter,
+    shared_input,
+)
 
 
 def torch_styles() -> dict[str, Callable[[], Any]]:

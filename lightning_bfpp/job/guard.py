@@ -1,6 +1,6 @@
-# Scope: this rank's part in ending the job together (the strategy calls it from its Lightning hooks): the
-# watchdog starts with the process group, an exception is reported to every rank, a stop signal ends the
-# process with the job's exit code, and Lightning's launching process takes its child ranks down with it.
+"""This rank's part in ending the job together (the strategy calls it from its Lightning hooks): the
+watchdog starts with the process group, an exception is reported to every rank, a stop signal ends the
+process with the job's exit code, and Lightning's launching process takes its child ranks down with it."""
 from __future__ import annotations
 
 import os

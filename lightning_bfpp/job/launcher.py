@@ -1,6 +1,6 @@
-# Scope: launching as bfpp uses it. Lightning's popen launcher, with the model checked before any other process
-# starts; the launching process observes and stops its children so the job ends with one exit code; SLURM's
-# requeue command for the requeue signal.
+"""Launching as bfpp uses it. Lightning's popen launcher, with the model checked before any other process
+starts; the launching process observes and stops its children so the job ends with one exit code; SLURM's
+requeue command for the requeue signal."""
 from __future__ import annotations
 
 import inspect

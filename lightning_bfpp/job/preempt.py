@@ -1,6 +1,6 @@
-# Scope: a stop signal with on_signal="save": every rank saves one checkpoint at the step boundary the ranks agreed
-# on through the job's store (``watchdog``), then the run ends as Lightning ends a signalled run (SIGTERMException),
-# and the process exits with the signal's code. Where that checkpoint goes, how long it may take, and what resumes it.
+"""A stop signal with on_signal="save": every rank saves one checkpoint at the step boundary the ranks agreed
+on through the job's store (``watchdog``), then the run ends as Lightning ends a signalled run (SIGTERMException),
+and the process exits with the signal's code. Where that checkpoint goes, how long it may take, and what resumes it."""
 from __future__ import annotations
 
 import os

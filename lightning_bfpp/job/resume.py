@@ -1,6 +1,6 @@
-# Scope: exact mid-epoch resume for ordinary (map-style) training dataloaders. Lightning restores the
-# loop's batch progress but restarts a non-stateful dataloader at the epoch's first batch; here the
-# batch *indices* already consumed in the epoch are skipped (no data is loaded for them).
+"""Exact mid-epoch resume for ordinary (map-style) training dataloaders. Lightning restores the
+loop's batch progress but restarts a non-stateful dataloader at the epoch's first batch; here the
+batch *indices* already consumed in the epoch are skipped (no data is loaded for them)."""
 from __future__ import annotations
 
 from collections.abc import Iterator

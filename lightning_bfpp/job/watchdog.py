@@ -1,7 +1,7 @@
-# Scope: failure handling across ranks. One daemon thread per rank notices a peer that reported a
-# failure, died (killed, out of memory) or got a stop signal (SIGTERM, SIGINT, SLURM's requeue signal) and
-# takes this rank down with a message naming that peer and, for signals, the signal. Every rank ends with the
-# job's exit code, so no rank waits in a collective until the timeout and no process is left behind.
+"""Failure handling across ranks. One daemon thread per rank notices a peer that reported a
+failure, died (killed, out of memory) or got a stop signal (SIGTERM, SIGINT, SLURM's requeue signal) and
+takes this rank down with a message naming that peer and, for signals, the signal. Every rank ends with the
+job's exit code, so no rank waits in a collective until the timeout and no process is left behind."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
-# Scope: layout="auto" — the layout (pipeline_parallel, loops, micro_batches, groups, schedule, sharding, stage cut)
-# picked by the planner (`sim.planner.search`) from this model's layers measured on this device (forward+backward
-# seconds, parameters, saved-activation bytes per sample) for the world size and one global batch; knobs the user
-# set stay pinned. Every rank measures, the times are min-reduced and rank 0's pick is broadcast: one decision.
+"""Layout="auto" — the layout (pipeline_parallel, loops, micro_batches, groups, schedule, sharding, stage cut)
+picked by the planner (`sim.planner.search`) from this model's layers measured on this device (forward+backward
+seconds, parameters, saved-activation bytes per sample) for the world size and one global batch; knobs the user
+set stay pinned. Every rank measures, the times are min-reduced and rank 0's pick is broadcast: one decision."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,7 @@ from ..schedule import SCHEDULES, ScheduleSpec
 from ..schedule.dims import LayoutError, ParallelDims, divisors
 from ..sim import Cluster, Layers, SimOptions, WireBytes, build_costs, simulate
 from ..sim.planner import DEFAULT_LOOPS, Candidate, Plan, candidate_schedule, search
-from .layer_cost import _tensors, measure_layer_times, time_balanced_layout
+from .layer_cost import _tensors, measure_layer_times, time_balanced_stage_layers
 
 # the knobs layout="auto" chooses (BFPPStrategy's argument names); any the user sets is pinned
 KNOBS = ("pipeline_parallel", "loops", "micro_batches", "groups", "schedule", "sharding", "reshard_after_forward")
@@ -138,7 +138,7 @@ def _with_cut(model: _Measured, cluster: Cluster, p: Plan, options: SimOptions) 
     """`p` re-simulated with the stages cut by measured time (what runs), and that cut."""
     c = p.candidate
     times = [f + b for f, b in model.measured.times or ()]
-    cut = time_balanced_layout(times, c.pipeline_parallel * c.loops)
+    cut = time_balanced_stage_layers(times, c.pipeline_parallel * c.loops)
     costs = build_costs(model.measured, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
                         data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
                         micro_batches=c.micro_batches, sharding=c.sharding, stage_layers=cut)

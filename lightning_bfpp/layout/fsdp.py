@@ -1,5 +1,5 @@
-# Scope: FSDP2 over data parallel for one pipeline stage: one all-gather per stage per pass, and the mixed-precision
-# policy a Lightning precision gives it.
+"""FSDP2 over data parallel for one pipeline stage: one all-gather per stage per pass, and the mixed-precision
+policy a Lightning precision gives it."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-# Scope: stage_layers="auto" — each pipeline layer's forward+backward time on one micro-batch, measured on the
-# run's device before the model is cut, and the cut that minimises the slowest stage by those times.
+"""Stage_layers="auto" — each pipeline layer's forward+backward time on one micro-batch, measured on the
+run's device before the model is cut, and the cut that minimises the slowest stage by those times."""
 from __future__ import annotations
 
 import time
@@ -11,7 +11,7 @@ from torch import nn
 
 from .._private.lightning_api import train_data_source
 from ..contract.layer_io import side_inputs_of
-from ..schedule.layout import balanced_layout
+from ..schedule.stage_cut import balanced_stage_layers
 from .partition import StageModule, describe_layers, input_kwargs
 
 
@@ -126,10 +126,10 @@ def sample_micro_batch(module: Any, trainer: Any, micro_batches: int) -> tuple[A
     return rows(inputs), rows(target)
 
 
-def time_balanced_layout(times: Sequence[float], num_stages: int) -> list[int]:
+def time_balanced_stage_layers(times: Sequence[float], num_stages: int) -> list[int]:
     """Layers per stage minimising the slowest stage's summed time (contiguous, at least one layer each)."""
-    scale = 1e6 / max(max(times), 1e-12)  # integer costs for balanced_layout, resolution 1e-6 of the slowest layer
-    return balanced_layout([round(t * scale) for t in times], num_stages)
+    scale = 1e6 / max(max(times), 1e-12)  # integer costs for balanced_stage_layers, resolution 1e-6 of the slowest layer
+    return balanced_stage_layers([round(t * scale) for t in times], num_stages)
 
 
 def stage_sums(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
@@ -153,9 +153,9 @@ def auto_stage_layers(module: Any, layers: Sequence[nn.Module], num_stages: int,
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(times_t, op=dist.ReduceOp.MIN)
     times = times_t.tolist()
-    counts = time_balanced_layout(times, num_stages)
+    counts = time_balanced_stage_layers(times, num_stages)
     stage_times = stage_sums(times, counts)
-    by_params = balanced_layout([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
+    by_params = balanced_stage_layers([sum(p.numel() for p in layer.parameters()) for layer in layers], num_stages)
     line = (f"bfpp: stage_layers='auto' cut {counts} (by parameter count: {by_params}); forward+backward per stage "
             f"on one micro-batch: {', '.join(f'{t * 1e3:.1f}' for t in stage_times)} ms, by parameter count "
             f"the slowest would be {max(stage_sums(times, by_params)) * 1e3:.1f} ms.")

@@ -1,8 +1,8 @@
-# Scope: a model built on the meta device (``trainer.init_module(empty_init=True)``, ``torch.device("meta")`` in
-# ``configure_model``, ``CausalLM.from_pretrained``) becomes real on each rank for its own stages only, after the cut.
-# Every module is initialized under its own seed, drawn from one base seed and the module's qualified name, so the
-# weights do not depend on the layout (pipeline ranks, loops, stage boundaries) nor on which rank builds them;
-# `seeded_init` gives the same weights to a model in one process.
+"""A model built on the meta device (``trainer.init_module(empty_init=True)``, ``torch.device("meta")`` in
+``configure_model``, ``CausalLM.from_pretrained``) becomes real on each rank for its own stages only, after the cut.
+Every module is initialized under its own seed, drawn from one base seed and the module's qualified name, so the
+weights do not depend on the layout (pipeline ranks, loops, stage boundaries) nor on which rank builds them;
+`seeded_init` gives the same weights to a model in one process."""
 from __future__ import annotations
 
 import zlib

@@ -1,5 +1,5 @@
-# Scope: the (pipeline_parallel, data_parallel[, tensor_parallel]) DeviceMesh and the process groups over it, built
-# once per process; the mesh's axis names.
+"""The (pipeline_parallel, data_parallel[, tensor_parallel]) DeviceMesh and the process groups over it, built
+once per process; the mesh's axis names."""
 from __future__ import annotations
 
 from collections.abc import Collection

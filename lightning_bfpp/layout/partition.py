@@ -1,5 +1,5 @@
-# Scope: cut a LightningModule's ordered layers into contiguous stages (balanced by parameter count or
-# an explicit layout) and build one nn.Module per local stage that keeps the model's parameter names.
+"""Cut a LightningModule's ordered layers into contiguous stages (balanced by parameter count or
+explicit layers per stage) and build one nn.Module per local stage that keeps the model's parameter names."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..contract.layer_io import LayerCall, check_boundary, compute_side_inputs, describe_structure, side_inputs_of
-from ..schedule.layout import balanced_layout  # noqa: F401  (also imported from here)
+from ..schedule.stage_cut import balanced_stage_layers
 
 
 @dataclass
@@ -110,10 +110,10 @@ def named_parts(root: nn.Module, layers: Sequence[nn.Module]) -> dict[str, nn.Mo
     return {name: mod for layer in describe_layers(root, layers) for name, mod in layer.parts}
 
 
-def check_layout(layout: Sequence[int], num_layers: int | None, num_stages: int) -> list[int]:
-    """`layout` (stage_layers) as a list: one positive layer count per stage, summing to `num_layers` (not
+def check_stage_layers(stage_layers: Sequence[int], num_layers: int | None, num_stages: int) -> list[int]:
+    """`stage_layers` as a list: one positive layer count per stage, summing to `num_layers` (not
     checked while the model is unknown: None)."""
-    counts = list(layout) if isinstance(layout, Sequence) and not isinstance(layout, str) else None
+    counts = list(stage_layers) if isinstance(stage_layers, Sequence) and not isinstance(stage_layers, str) else None
     legal = counts is not None and len(counts) == num_stages and all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
     if legal and (num_layers is None or sum(counts) == num_layers):
@@ -124,7 +124,7 @@ def check_layout(layout: Sequence[int], num_layers: int | None, num_stages: int)
         even = [num_layers // num_stages + (i < num_layers % num_stages) for i in range(num_stages)]
         example = f"e.g. stage_layers={even}, or "
     raise ValueError(
-        f"stage_layers={counts if counts is not None else layout!r} must list {num_stages} positive layer counts "
+        f"stage_layers={counts if counts is not None else stage_layers!r} must list {num_stages} positive layer counts "
         f"(one per stage: pipeline_parallel x loops){total}; {example}leave stage_layers unset (None) to "
         "balance the stages by parameter count, or set stage_layers='auto' to balance them by measured time."
     )
@@ -291,8 +291,8 @@ def _check_not_cut(root: nn.Module) -> None:
         )
 
 
-def _stage_layers(
-    root: nn.Module, layers: Sequence[nn.Module], num_stages: int, layout: Sequence[int] | None
+def _stage_groups(
+    root: nn.Module, layers: Sequence[nn.Module], num_stages: int, stage_layers: Sequence[int] | None
 ) -> list[list[Layer]]:
     _check_not_cut(root)
     described = describe_layers(root, layers)
@@ -308,7 +308,7 @@ def _stage_layers(
             "layer (put shared pieces such as embeddings into a layer)."
         )
     weights = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    counts = check_layout(layout, len(layers), num_stages) if layout else balanced_layout(weights, num_stages)
+    counts = check_stage_layers(stage_layers, len(layers), num_stages) if stage_layers else balanced_stage_layers(weights, num_stages)
     stages, start = [], 0
     for c in counts:
         stages.append(described[start : start + c])
@@ -317,17 +317,17 @@ def _stage_layers(
 
 
 def plan_stages(
-    root: nn.Module, layers: Sequence[nn.Module], num_stages: int, layout: Sequence[int] | None = None
+    root: nn.Module, layers: Sequence[nn.Module], num_stages: int, stage_layers: Sequence[int] | None = None
 ) -> list[list[str]]:
     """The qualified names (in `root`) of every stage's modules, after checking the model against the contract;
     `root` is not changed. A layer the root registers is named as such (``blocks.3``); a wrapper layer contributes
     the modules it wraps, under the names the root gives them (see `describe_layers`).
 
     Raises ValueError when a layer's state is not registered in `root`, a parameter lies outside every layer, a
-    module has two names, or the layers do not fill `num_stages` stages (`layout`: explicit layers per stage;
+    module has two names, or the layers do not fill `num_stages` stages (`stage_layers`: explicit layers per stage;
     default: balanced by parameter count).
     """
-    return [[name for layer in group for name, _ in layer.parts] for group in _stage_layers(root, layers, num_stages, layout)]
+    return [[name for layer in group for name, _ in layer.parts] for group in _stage_groups(root, layers, num_stages, stage_layers)]
 
 
 def split_stages(
@@ -336,14 +336,14 @@ def split_stages(
     num_stages: int,
     local_stages: Sequence[int],
     stage_rank,
-    layout: Sequence[int] | None = None,
+    stage_layers: Sequence[int] | None = None,
 ) -> tuple[dict[int, StageModule], list[list[str]]]:
     """Build the local StageModules; replace the state of other ranks' layers in `root` by RemoteLayer, and a
     wrapper layer that `root` registers by an unregistered reference (each parameter keeps one name).
 
     Returns (local stage index -> StageModule, qualified names of every stage's modules).
     """
-    stages = _stage_layers(root, layers, num_stages, layout)
+    stages = _stage_groups(root, layers, num_stages, stage_layers)
     side = side_inputs_of(root)
     local = {
         s: StageModule([p for layer in stages[s] for p in layer.parts], s, stage_rank(s),

@@ -1,6 +1,6 @@
-# Scope: the strategy's layout as it gets decided — the settings as given (checked before any process starts), then
-# the world size, then the model's layer count and, for layout="auto", the planner's pick — each step checked by the
-# one set of rules in ``schedule.dims``; the training schedule built for it.
+"""The strategy's layout as it gets decided — the settings as given (checked before any process starts), then
+the world size, then the model's layer count and, for layout="auto", the planner's pick — each step checked by the
+one set of rules in ``schedule.dims``; the training schedule built for it."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ from torch import nn
 from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
-from .partition import check_layout
+from .partition import check_stage_layers
 
 BATCH_NAMES = Names(batch="global_batch_size")
 
@@ -63,7 +63,7 @@ class LayoutPlan:
                                  tensor_parallel=tensor_parallel, sharding=sharding).validate()
         self.train_schedule: Schedule = build_schedule(spec)
         # one positive count per stage now; that they add up to the model's layers is checked with the model
-        self.stage_layers = "auto" if stage_layers == "auto" else check_layout(
+        self.stage_layers = "auto" if stage_layers == "auto" else check_stage_layers(
             stage_layers, None, len(stage_layers) if self.auto_layout else spec.num_stages) if stage_layers else None
 
     @property
@@ -99,7 +99,7 @@ class LayoutPlan:
         if changed:
             self.train_schedule = build_schedule(spec)
             if self.stage_layers not in (None, "auto"):
-                self.stage_layers = check_layout(self.stage_layers, None, spec.num_stages)
+                self.stage_layers = check_stage_layers(self.stage_layers, None, spec.num_stages)
         if not self.default_layout or num_layers is None or self.announced:
             return None
         self.announced = True

@@ -1,7 +1,7 @@
-# Scope: this rank's stages, built in two small steps over the (pp, dp[, tp]) DeviceMesh, torchtitan-style:
-# `cut` splits the model into its local stages (and gives shared weights a copy per stage), `parallelize`
-# applies tensor parallel, activation checkpointing and FSDP2 to them. The strategy runs the Lightning steps
-# in between (materialize, precision cast, move to the device).
+"""This rank's stages, built in two small steps over the (pp, dp[, tp]) DeviceMesh, torchtitan-style:
+`cut` splits the model into its local stages (and gives shared weights a copy per stage), `parallelize`
+applies tensor parallel, activation checkpointing and FSDP2 to them. The strategy runs the Lightning steps
+in between (materialize, precision cast, move to the device)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -19,7 +19,7 @@ from .tied import TiedWeights, find_shared_weights
 
 
 def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: ParallelDims,
-        layout: Sequence[int] | None, global_rank: int, timeout: timedelta | None,
+        stage_layers: Sequence[int] | None, global_rank: int, timeout: timedelta | None,
         ) -> tuple[dict[int, StageModule], list[list[str]], TiedWeights]:
     """(this rank's stages by index, every stage's module names, the shared weights' copies). Layers of other
     ranks are replaced in `module` (see ``partition.split_stages``)."""
@@ -27,7 +27,7 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
     order = {name: i for i, (name, _) in enumerate(module.named_modules(remove_duplicate=False))}
     spec = dims.spec
     modules, names = split_stages(module, layers, spec.num_stages, spec.local_stages(mesh[PP].get_local_rank()),
-                                  spec.stage_rank, layout)
+                                  spec.stage_rank, stage_layers)
     # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded;
     # global rank = (pipeline rank x dp + dp index) x tp + tp index: copies are summed per (dp, tp) index
     shared = find_shared_weights(parts, names)

@@ -1,8 +1,8 @@
-# Scope: tensor parallel inside the pipeline stages (its layout rule, tp innermost within one node, is in
-# ``schedule.dims``). The model's per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name)
-# checked before launch, and its application to each local stage's layers (torch's parallelize_module over the
-# tp mesh) before FSDP shards the stage over data parallel. What crosses stages: the whole activation, or with
-# sequence parallel each tp rank's sequence shard (B, T/tp, ...): plans then start and end layers on shards.
+"""Tensor parallel inside the pipeline stages (its layout rule, tp innermost within one node, is in
+``schedule.dims``). The model's per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name)
+checked before launch, and its application to each local stage's layers (torch's parallelize_module over the
+tp mesh) before FSDP shards the stage over data parallel. What crosses stages: the whole activation, or with
+sequence parallel each tp rank's sequence shard (B, T/tp, ...): plans then start and end layers on shards."""
 from __future__ import annotations
 
 import inspect

@@ -1,7 +1,7 @@
-# Scope: weights shared by layers of different pipeline stages (e.g. an input embedding tied to the
-# output head). Every stage that uses one holds its own copy; after each pipeline step the copies'
-# gradients are summed (locally and over the pipeline ranks holding a copy), so identical optimizer
-# steps keep the copies bit-identical — the single-process model's one tensor, one gradient.
+"""Weights shared by layers of different pipeline stages (e.g. an input embedding tied to the
+output head). Every stage that uses one holds its own copy; after each pipeline step the copies'
+gradients are summed (locally and over the pipeline ranks holding a copy), so identical optimizer
+steps keep the copies bit-identical — the single-process model's one tensor, one gradient."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence

@@ -1,5 +1,5 @@
-# Scope: data-parallel gradient all-reduce for replicated stages (sharding="none"), bucketed and issued per
-# stage at the schedule's REDUCE_GRAD point so that it overlaps the backward of the stages still to run.
+"""Data-parallel gradient all-reduce for replicated stages (sharding="none"), bucketed and issued per
+stage at the schedule's REDUCE_GRAD point so that it overlaps the backward of the stages still to run."""
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -1,5 +1,5 @@
-# Scope: measurements taken while a schedule runs: per-rank compute timeline (bubble) and
-# saved-activation bytes (allocator-independent memory), plus parameter/grad/optimizer bytes.
+"""Measurements taken while a schedule runs: per-rank compute timeline (bubble) and
+saved-activation bytes (allocator-independent memory), plus parameter/grad/optimizer bytes."""
 from __future__ import annotations
 
 import time

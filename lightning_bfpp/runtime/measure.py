@@ -1,5 +1,5 @@
-# Scope: when a training step is measured (measure_every_n_steps) and what it reports: the runner's timeline
-# (bubble, compute time) and this rank's bytes, gathered so that every rank holds the same numbers.
+"""When a training step is measured (measure_every_n_steps) and what it reports: the runner's timeline
+(bubble, compute time) and this rank's bytes, gathered so that every rank holds the same numbers."""
 from __future__ import annotations
 
 from collections.abc import Iterable

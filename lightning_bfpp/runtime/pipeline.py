@@ -1,5 +1,5 @@
-# Scope: run one rank's part of a schedule on its local stage modules: training step (forward +
-# backward of all micro-batches), forward-only evaluation, prediction. Device-agnostic.
+"""Run one rank's part of a schedule on its local stage modules: training step (forward +
+backward of all micro-batches), forward-only evaluation, prediction. Device-agnostic."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,5 @@
-# Scope: values and norms reduced over the mesh: the loss only the last stage's ranks hold, shared with every rank,
-# and gradient clipping by the whole model's norm (pipeline, data-parallel and tensor-parallel parts counted once).
+"""Values and norms reduced over the mesh: the loss only the last stage's ranks hold, shared with every rank,
+and gradient clipping by the whole model's norm (pipeline, data-parallel and tensor-parallel parts counted once)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable

@@ -1,6 +1,6 @@
-# Scope: the vocabulary of a schedule — what one rank does, in order, during one training step.
-# Pure Python: no torch, no process group. Generators, lowering, validator, simulator and the
-# runtime all speak this one language.
+"""The vocabulary of a schedule — what one rank does, in order, during one training step.
+Pure Python: no torch, no process group. Generators, lowering, validator, simulator and the
+runtime all speak this one language."""
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field

@@ -1,7 +1,7 @@
-# Scope: the parallel layout of a run — how the world's processes split into pipeline x data x tensor parallel,
-# how the model's layers fill the stages and a step's batch the micro-batches — and its one `validate()`. The
-# strategy, the app's preflight and the planner all check a layout here; each names the settings in its
-# users' words (`Names`). Pure Python, like the rest of the schedule package.
+"""The parallel layout of a run — how the world's processes split into pipeline x data x tensor parallel,
+how the model's layers fill the stages and a step's batch the micro-batches — and its one `validate()`. The
+strategy, the app's preflight and the planner all check a layout here; each names the settings in its
+users' words (`Names`). Pure Python, like the rest of the schedule package."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

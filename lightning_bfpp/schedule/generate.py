@@ -1,5 +1,5 @@
-# Scope: compute order per rank (forward/backward of (stage, micro-batch)) for each named schedule,
-# and the legality rules of the schedule knobs. Communication is added later by `lower.py`.
+"""Compute order per rank (forward/backward of (stage, micro-batch)) for each named schedule,
+and the legality rules of the schedule knobs. Communication is added later by `lower.py`."""
 from __future__ import annotations
 
 from .actions import BREADTH_FIRST, LOOPED_SCHEDULES, SCHEDULES, Action, Op, ScheduleError, ScheduleSpec

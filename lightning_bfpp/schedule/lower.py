@@ -1,5 +1,5 @@
-# Scope: lowering passes that turn per-rank compute orders into complete action lists:
-# FSDP points (unshard with one-interval prefetch, reshard, gradient reduce) and p2p send/receive.
+"""Lowering passes that turn per-rank compute orders into complete action lists:
+FSDP points (unshard with one-interval prefetch, reshard, gradient reduce) and p2p send/receive."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -1,5 +1,5 @@
-# Scope: prove a lowered schedule runs: every input is produced before use, every send meets its
-# receive in order on each rank pair, weights are gathered when computed on, and no rank waits forever.
+"""Prove a lowered schedule runs: every input is produced before use, every send meets its
+receive in order on each rank pair, weights are gathered when computed on, and no rank waits forever."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict

@@ -1,6 +1,3 @@
-# Scope: the calibrated-cluster format: a `conf/cluster/*.yaml` whose simulator keys were fitted to measurements
-# (examples/calibrate.py measures; `lightning_bfpp.sim.Cluster.from_dict` reads the result). Here: the noise-robust
-# estimate, the fit from raw samples to the cluster keys, and writing/reading the yaml. Pure Python (+ PyYAML).
 """The calibrated-cluster format.
 
 A measuring run (examples/calibrate.py: `devices` gloo processes timing the example GPT's layers, the pipelining
@@ -17,6 +14,9 @@ base cluster yaml and ``sim.Cluster.from_dict`` reads:
   the runtime sees it);
 - ``layer_times``: ``model`` (its ``SHAPE_KEYS``), ``micro_batch_size``, ``threads``, ``processes`` and
   ``[forward, backward]`` seconds of ``embedding``, ``block`` and ``head`` (+ loss) for one micro-batch.
+
+Pure Python (+ PyYAML): the noise-robust estimate, the fit from raw samples to the cluster keys, and writing and
+reading the yaml.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-# Scope: what the simulator knows of a machine: a `conf/cluster/*.yaml` dict as numbers (`Cluster`), with the
-# per-layer times a calibration measured (`LayerTimes`).
+"""What the simulator knows of a machine: a `conf/cluster/*.yaml` dict as numbers (`Cluster`), with the
+per-layer times a calibration measured (`LayerTimes`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

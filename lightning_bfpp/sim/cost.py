@@ -1,13 +1,13 @@
-# Scope: analytic costs of one training step's pieces — per-stage compute time, FSDP collective time,
-# pipeline p2p time, parameter and activation bytes — from a model's `Layers` and the Hydra `cluster` dict.
-# No schedule logic here: `simulate.py` plays a schedule's action lists against these numbers.
+"""Analytic costs of one training step's pieces — per-stage compute time, FSDP collective time,
+pipeline p2p time, parameter and activation bytes — from a model's `Layers` and the Hydra `cluster` dict.
+No schedule logic here: `simulate.py` plays a schedule's action lists against these numbers."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from ..schedule.layout import balanced_layout
+from ..schedule.stage_cut import balanced_stage_layers
 from .cluster import Cluster
 from .model import Layers, Model, WireBytes
 
@@ -34,8 +34,8 @@ def state_bytes(params: float, sharding: str, data_parallel: int) -> float:
 
 
 @lru_cache(maxsize=256)
-def _stage_layout(params: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
-    return tuple(balanced_layout(params, num_stages))  # the runtime's own split: one source of truth
+def _stage_counts(params: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    return tuple(balanced_stage_layers(params, num_stages))  # the runtime's own split: one source of truth
 
 
 @dataclass(frozen=True)
@@ -131,15 +131,15 @@ def build_costs(
     if layers.tensor_parallel != tp:
         raise ValueError(f"layers are per rank of tensor_parallel={layers.tensor_parallel}, not {tp}.")
     if stage_layers is None:
-        layout = _stage_layout(layers.params, num_stages)
+        counts = _stage_counts(layers.params, num_stages)
     else:
-        layout = tuple(stage_layers)
-        if len(layout) != num_stages or sum(layout) != len(layers) or min(layout) < 1:
-            raise ValueError(f"stage_layers={list(layout)} must list {num_stages} positive counts summing to "
+        counts = tuple(stage_layers)
+        if len(counts) != num_stages or sum(counts) != len(layers) or min(counts) < 1:
+            raise ValueError(f"stage_layers={list(counts)} must list {num_stages} positive counts summing to "
                              f"the model's {len(layers)} layers.")
     message = message_bytes(layers, micro_batch_size, tp, sequence_parallel, activation_bytes)
     stages, start = [], 0
-    for s, n in enumerate(layout):
+    for s, n in enumerate(counts):
         span = range(start, start + n)
         stage = _stage_cost(layers, cluster, span, s % pp, dp, tp, micro_batch_size, sharding)
         stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),

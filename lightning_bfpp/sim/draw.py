@@ -1,6 +1,6 @@
-# Scope: Gantt picture of one training step — one compute lane per pipeline rank (colour per stage,
-# forward light, backward (or its input part I) dark and hatched, weight part W dotted, micro-batch numbers in the boxes) and a thin comm lane under
-# it (FSDP all-gather, gradient reduction, p2p sends). Times come from the simulator's timeline.
+"""Gantt picture of one training step — one compute lane per pipeline rank (colour per stage,
+forward light, backward (or its input part I) dark and hatched, weight part W dotted, micro-batch numbers in the boxes) and a thin comm lane under
+it (FSDP all-gather, gradient reduction, p2p sends). Times come from the simulator's timeline."""
 from __future__ import annotations
 
 from collections.abc import Sequence

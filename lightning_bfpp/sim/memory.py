@@ -1,7 +1,7 @@
-# Scope: peak memory of one pipeline rank from the allocation events the simulator records
-# (activations between a micro-batch's forward and backward, gathered weights, unsharded gradients,
-# a backward's transient working set, what zero bubble's input-gradient pass keeps for its weight pass)
-# on top of the static parameter/optimizer state.
+"""Peak memory of one pipeline rank from the allocation events the simulator records
+(activations between a micro-batch's forward and backward, gathered weights, unsharded gradients,
+a backward's transient working set, what zero bubble's input-gradient pass keeps for its weight pass)
+on top of the static parameter/optimizer state."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

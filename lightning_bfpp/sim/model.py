@@ -1,5 +1,5 @@
-# Scope: what the cost model knows of a model — its pipeline layers as data (`Layers`) — and one source of
-# such data: the analytic shape of a decoder-only transformer (`Model`).
+"""What the cost model knows of a model — its pipeline layers as data (`Layers`) — and one source of
+such data: the analytic shape of a decoder-only transformer (`Model`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping

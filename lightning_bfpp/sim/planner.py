@@ -1,6 +1,6 @@
-# Scope: search the layouts of a model on a cluster for one global batch size — (pp, dp, tp), loops,
-# micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy — by
-# simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s.
+"""Search the layouts of a model on a cluster for one global batch size — (pp, dp, tp), loops,
+micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy — by
+simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s."""
 from __future__ import annotations
 
 import heapq

@@ -1,10 +1,10 @@
-# Scope: FSDP weight residency as a cost-model choice for any schedule — how long a rank keeps a local
-# stage's gathered (bf16) weights. "step" is the schedule's own lowering (what the runtime runs: every local
-# stage gathered from its first to its last compute of an accumulation group); "cache" keeps at most
-# `cache` stages gathered (least recently used evicted, regathered when needed again); "run" regathers for
-# every run of consecutive computes on a stage (one micro-batch in 1F1B's steady state). Outside "step" a
-# stage's unsharded gradient is reduce-scattered whenever it leaves memory after backwards (FSDP without
-# no-sync), so memory saved on weights and gradients is paid for in all-gathers and reduce-scatters.
+"""FSDP weight residency as a cost-model choice for any schedule — how long a rank keeps a local
+stage's gathered (bf16) weights. "step" is the schedule's own lowering (what the runtime runs: every local
+stage gathered from its first to its last compute of an accumulation group); "cache" keeps at most
+`cache` stages gathered (least recently used evicted, regathered when needed again); "run" regathers for
+every run of consecutive computes on a stage (one micro-batch in 1F1B's steady state). Outside "step" a
+stage's unsharded gradient is reduce-scattered whenever it leaves memory after backwards (FSDP without
+no-sync), so memory saved on weights and gradients is paid for in all-gathers and reduce-scatters."""
 from __future__ import annotations
 
 from collections import defaultdict

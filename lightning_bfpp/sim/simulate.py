@@ -1,10 +1,10 @@
-# Scope: discrete-event simulation of one training step. Plays exactly the per-rank action lists of
-# `build_schedule(spec).actions` (the lists the runtime executes) against `cost.Costs`: one compute
-# stream per pipeline rank plus an all-gather stream, a reduce stream and one p2p link per rank pair; all
-# inter-node transfers of a rank (its dp collectives, its outgoing pipeline messages) share one network
-# interface: collectives queue on it in issue order, and a pipeline message (small, latency-bound) goes
-# first, pushing the collectives in flight back by its own transfer time (the bytes still cross one wire). Data-parallel and tensor-parallel peers are symmetric, so only the pp
-# ranks of one replica's first tp slice are simulated.
+"""Discrete-event simulation of one training step. Plays exactly the per-rank action lists of
+`build_schedule(spec).actions` (the lists the runtime executes) against `cost.Costs`: one compute
+stream per pipeline rank plus an all-gather stream, a reduce stream and one p2p link per rank pair; all
+inter-node transfers of a rank (its dp collectives, its outgoing pipeline messages) share one network
+interface: collectives queue on it in issue order, and a pipeline message (small, latency-bound) goes
+first, pushing the collectives in flight back by its own transfer time (the bytes still cross one wire). Data-parallel and tensor-parallel peers are symmetric, so only the pp
+ranks of one replica's first tp slice are simulated."""
 from __future__ import annotations
 
 from dataclasses import dataclass

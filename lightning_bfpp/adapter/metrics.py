@@ -1,6 +1,6 @@
-# Scope: what a training run reports besides the loss — throughput (tokens/s, model FLOP/s, MFU),
-# the pipeline bubble and per-rank memory from `strategy.step_stats`, the schedule picture, and a
-# `summary.json` at the end. Works with any strategy; pipeline numbers appear only under bfpp.
+"""What a training run reports besides the loss — throughput (tokens/s, model FLOP/s, MFU),
+the pipeline bubble and per-rank memory from `strategy.step_stats`, the schedule picture, and a
+`summary.json` at the end. Works with any strategy; pipeline numbers appear only under bfpp."""
 from __future__ import annotations
 
 import json

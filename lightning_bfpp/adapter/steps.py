@@ -1,8 +1,8 @@
-# Scope: the user's own LightningModule steps under bfpp. validation_step, test_step, predict_step (and the
-# optional training-metrics hook) run as written on the ranks that hold the last stage, where `self(x)` is
-# answered by the pipeline's output. What they log is recorded there and replayed on every rank of the
-# pipeline group in the same order, so every rank ends each step with the same keys and values and the
-# loggers' collectives (sync_dist, torchmetrics' sync) match on every rank.
+"""The user's own LightningModule steps under bfpp. validation_step, test_step, predict_step (and the
+optional training-metrics hook) run as written on the ranks that hold the last stage, where `self(x)` is
+answered by the pipeline's output. What they log is recorded there and replayed on every rank of the
+pipeline group in the same order, so every rank ends each step with the same keys and values and the
+loggers' collectives (sync_dist, torchmetrics' sync) match on every rank."""
 from __future__ import annotations
 
 import copy

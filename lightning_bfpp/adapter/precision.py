@@ -1,5 +1,5 @@
-# Scope: Lightning's precision plugin as a bfpp run uses it — the run's own plugin, as an instance of a
-# subclass of its class that clips by the whole model's norm and skips autocast where FSDP2 casts already.
+"""Lightning's precision plugin as a bfpp run uses it — the run's own plugin, as an instance of a
+subclass of its class that clips by the whole model's norm and skips autocast where FSDP2 casts already."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable

@@ -1,5 +1,5 @@
-# Scope: handing the gradients a pipeline schedule computes inside Lightning's `training_step` over to
-# Lightning's `backward`, so Lightning's accumulation, clipping, hooks and optimizer step see them.
+"""Handing the gradients a pipeline schedule computes inside Lightning's `training_step` over to
+Lightning's `backward`, so Lightning's accumulation, clipping, hooks and optimizer step see them."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence

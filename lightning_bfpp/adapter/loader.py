@@ -1,5 +1,5 @@
-# Scope: the user's training dataloader checked against the layout before the first step: its batch splits into the
-# micro-batches, it yields each replica's share of global_batch_size, and a ragged last batch is named in advance.
+"""The user's training dataloader checked against the layout before the first step: its batch splits into the
+micro-batches, it yields each replica's share of global_batch_size, and a ragged last batch is named in advance."""
 from __future__ import annotations
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn

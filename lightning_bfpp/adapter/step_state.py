@@ -1,8 +1,8 @@
-# Scope: what the user's own step (validation_step, test_step, predict_step, pipeline_train_metrics) changes
-# in the LightningModule's plain attributes, carried from the last stage's ranks, where the step runs, to the
-# other pipeline ranks, so hooks that run on every rank (on_validation_epoch_end aggregating the outputs the
-# steps appended, a counter the steps advanced, a tracker a callback reads) see what they would see without
-# a pipeline.
+"""What the user's own step (validation_step, test_step, predict_step, pipeline_train_metrics) changes
+in the LightningModule's plain attributes, carried from the last stage's ranks, where the step runs, to the
+other pipeline ranks, so hooks that run on every rank (on_validation_epoch_end aggregating the outputs the
+steps appended, a counter the steps advanced, a tracker a callback reads) see what they would see without
+a pipeline."""
 from __future__ import annotations
 
 import hashlib
@@ -49,7 +49,7 @@ def _flat_list(value: Any) -> bool:
 def _fingerprint(name: str, value: Any) -> bytes | None:
     try:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001  (a lambda, a lock, ...: only rebinding can be seen)
+    except Exception:
         return None
     if len(data) > FINGERPRINT_LIMIT:
         if name not in _warned:

@@ -1,7 +1,7 @@
-# Scope: the check that every rank of one data-parallel replica (its pipeline and tensor-parallel ranks) loaded the
-# same batch. The first stage runs on one rank's inputs and the loss (or the user's eval step) on another rank's
-# targets, so a loader that differs between processes (random augmentation without a seed, workers seeded by rank)
-# would silently pair one draw's inputs with another's targets.
+"""The check that every rank of one data-parallel replica (its pipeline and tensor-parallel ranks) loaded the
+same batch. The first stage runs on one rank's inputs and the loss (or the user's eval step) on another rank's
+targets, so a loader that differs between processes (random augmentation without a seed, workers seeded by rank)
+would silently pair one draw's inputs with another's targets."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,5 @@
-# Scope: what a NaN/inf training loss does. The loss is shared over every rank before this runs, so every rank
-# takes the same branch at once: stop before the optimizer step, or skip the batch (within a bound).
+"""What a NaN/inf training loss does. The loss is shared over every rank before this runs, so every rank
+takes the same branch at once: stop before the optimizer step, or skip the batch (within a bound)."""
 from __future__ import annotations
 
 from typing import Any

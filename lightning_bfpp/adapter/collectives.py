@@ -1,9 +1,9 @@
-# Scope: the strategy's collectives as a LightningModule uses them (`self.all_gather`, `sync_dist`,
-# `trainer.strategy.reduce / barrier / broadcast`). Under DDP "all ranks" are the data-parallel replicas; under
-# bfpp every pipeline (and tensor-parallel) rank of a replica holds the replica's values, so the module's
-# gathers and reductions run over the data-parallel group: the results DDP gives with that many replicas.
-# Inside a user step, which runs on the last stage's ranks only, the barrier and broadcast run over that group
-# too (over the world they would wait for ranks that never come).
+"""The strategy's collectives as a LightningModule uses them (`self.all_gather`, `sync_dist`,
+`trainer.strategy.reduce / barrier / broadcast`). Under DDP "all ranks" are the data-parallel replicas; under
+bfpp every pipeline (and tensor-parallel) rank of a replica holds the replica's values, so the module's
+gathers and reductions run over the data-parallel group: the results DDP gives with that many replicas.
+Inside a user step, which runs on the last stage's ranks only, the barrier and broadcast run over that group
+too (over the world they would wait for ranks that never come)."""
 from __future__ import annotations
 
 from collections.abc import Iterator

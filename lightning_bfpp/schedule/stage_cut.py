@@ -1,11 +1,11 @@
-# Scope: how a model's ordered layers are cut into contiguous pipeline stages (pure arithmetic, shared by
-# the runtime's partition and the simulator's cost model).
+"""How a model's ordered layers are cut into contiguous pipeline stages (pure arithmetic, shared by
+the runtime's partition and the simulator's cost model)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
-def balanced_layout(weights: Sequence[int], num_stages: int) -> list[int]:
+def balanced_stage_layers(weights: Sequence[int], num_stages: int) -> list[int]:
     """Layers per stage: contiguous, at least one layer each, minimising the heaviest stage."""
     n = len(weights)
     if num_stages > n:

@@ -114,7 +114,7 @@ def raw_loop(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device:
     period = statistics.median(periods[3:] or periods)
     tokens = batch * cfg.block_size / period
     return {"step_s": period, "tokens_per_s": tokens,
-            "model_flops_per_s": tokens * flops_per_token(cfg, sum(p.numel() for p in model.parameters())),
+            "model_flops_per_s": tokens * flops_per_token(cfg, model),
             **(profile(step) if profile else {})}
 
 
@@ -133,6 +133,7 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     torch.manual_seed(0)
     model = (ShardedGPT if strategy == "fsdp2" else GPT)(cfg)
     n_params = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(cfg, model)  # before the fit: bfpp leaves only this rank's stages in `model`
     if compile and strategy == "fsdp2":
         compile_each_layer(model)
     data = torch.randint(0, cfg.vocab_size, (batch * steps, cfg.block_size + 1))
@@ -152,7 +153,7 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     bubbles = [s["bubble_fraction"] for s in probe.stats if "bubble_fraction" in s]
     graphs = {k: v for k, v in (probe.stats[-1] if probe.stats else {}).items() if k.endswith("compiled_graphs")}
     return ({"compiled": graphs} if graphs else {}) | {"params": n_params, "step_s": period, "tokens_per_s": tokens,
-            "model_flops_per_s": tokens * flops_per_token(cfg, n_params),
+            "model_flops_per_s": tokens * fpt,
             "bubble_fraction": statistics.median(bubbles) if bubbles else None}
 
 

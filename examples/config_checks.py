@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_bfpp.schedule.checks import is_count
 from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
@@ -34,11 +35,6 @@ AUTO_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true", "16-mixed")
 
 class ConfigError(ValueError):
     """An illegal value of a key of examples/train.py's config."""
-
-
-def is_int(value, least: int = 1) -> bool:
-    """An integer (not a bool, not a float such as 2.5) of at least `least`."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _default(value, default):
@@ -85,21 +81,21 @@ def check_trainer_keys(cfg: DictConfig) -> None:
 # (key, holds, rule, fix): values Lightning, the loggers or the app would take without a word or fail on only
 # after the processes start (a ZeroDivisionError for val_check_interval=0 or accumulate_grad_batches=0)
 RUN_RULES = [
-    ("trainer.val_check_interval", lambda v: v is None or is_int(v, 1) or (isinstance(v, float) and 0 < v <= 1),
+    ("trainer.val_check_interval", lambda v: v is None or is_count(v, 1) or (isinstance(v, float) and 0 < v <= 1),
      "must be a number of batches >= 1 or a fraction of an epoch in (0, 1]", "e.g. trainer.val_check_interval=100"),
-    ("trainer.accumulate_grad_batches", lambda v: is_int(v, 1), "must be an integer >= 1",
+    ("trainer.accumulate_grad_batches", lambda v: is_count(v, 1), "must be an integer >= 1",
      "e.g. trainer.accumulate_grad_batches=1"),
     ("trainer.gradient_clip_val", lambda v: v is None or (_is_number(v) and v >= 0), "must be >= 0 or null",
      "trainer.gradient_clip_val=null for no clipping"),
-    ("checkpoint.every_n_steps", lambda v: is_int(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
-    ("checkpoint.keep", lambda v: is_int(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
+    ("checkpoint.every_n_steps", lambda v: is_count(v, 0), "must be an integer >= 0", "0: no step checkpoints"),
+    ("checkpoint.keep", lambda v: is_count(v, -1), "must be an integer >= -1", "-1: keep every step checkpoint"),
     ("checkpoint.async_save", lambda v: isinstance(v, bool), "must be true or false",
      "true: saves are written in the background"),
     ("checkpoint.on_signal", lambda v: v in ("save", "exit"), "must be save or exit",
      "save: a checkpoint at the next step boundary, then exit; exit: at once"),
     ("checkpoint.on_signal_grace_s", lambda v: v is None or (_is_number(v) and v > 0), "must be > 0 seconds or null",
      "null: 25 s under torchrun and after SLURM's SIGTERM, else 60 s"),
-    ("data.num_workers", lambda v: is_int(v, 0), "must be an integer >= 0", "0: load in the training process"),
+    ("data.num_workers", lambda v: is_count(v, 0), "must be an integer >= 0", "0: load in the training process"),
 ]
 WANDB_MODES = ("offline", "online")
 
@@ -108,7 +104,7 @@ def check_run_keys(cfg: DictConfig) -> None:
     """Keys of the run around the model: the schedule group, validation and accumulation, clipping,
     checkpoints, data workers, the W&B mode, and an accelerator this machine has."""
     steps, epochs = OmegaConf.select(cfg, "trainer.max_steps"), OmegaConf.select(cfg, "trainer.max_epochs")
-    if not (is_int(steps, 1) or (steps == -1 and is_int(epochs, 1))):
+    if not (is_count(steps, 1) or (steps == -1 and is_count(epochs, 1))):
         raise ConfigError(f"trainer.max_steps={steps!r} must be a positive integer, or -1 (no step limit) with "
                           "+trainer.max_epochs=N; e.g. trainer.max_steps=400.")
     if OmegaConf.is_missing(cfg.schedule, "name"):
@@ -167,16 +163,16 @@ def check_model_and_data(cfg: DictConfig) -> None:
         except ImportError as err:
             raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
                               "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
-    if family != "gpt" and is_int(get("model.vocab_size")) and get("model.vocab_size") < BYTES:
+    if family != "gpt" and is_count(get("model.vocab_size")) and get("model.vocab_size") < BYTES:
         raise ConfigError(f"model.vocab_size={get('model.vocab_size')} is below the {BYTES} byte values of the local "
                           "corpus: use a model with at least 256 tokens (token id = byte value).")
     for key in POSITIVE + (("data.stride",) if get("data.stride") is not None else ()):
-        if not is_int(get(key)):
+        if not is_count(get(key)):
             raise ConfigError(f"{key}={get(key)!r} must be a positive integer; set {key}=1 or more.")
     fraction = get("data.val_fraction")
     if not (_is_number(fraction) and 0 < fraction < 1):
         raise ConfigError(f"data.val_fraction={fraction!r} must be in (0, 1); e.g. data.val_fraction=0.05.")
-    if is_int(get("model.max_positions")) and get("model.block_size") > get("model.max_positions"):
+    if is_count(get("model.max_positions")) and get("model.block_size") > get("model.max_positions"):
         raise ConfigError(f"model.block_size={get('model.block_size')} exceeds the saved model's max_position_embeddings="
                           f"{get('model.max_positions')}; set model.block_size={get('model.max_positions')} or less.")
     if get("data.block_size") > get("model.block_size"):
@@ -194,7 +190,7 @@ def check_optim(cfg: DictConfig) -> None:
     rules = [  # (key, holds, rule, fix)
         ("lr", lambda v: _is_number(v) and v > 0, "must be a number > 0", "e.g. optim.lr=3e-3 (adamw) or 0.3 (sgd)"),
         ("weight_decay", lambda v: _is_number(v) and v >= 0, "must be >= 0", "e.g. optim.weight_decay=0.1"),
-        ("warmup_steps", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        ("warmup_steps", lambda v: is_count(v, 0),
          "must be an integer >= 0", "e.g. optim.warmup_steps=30 (0: no warmup)"),
         ("min_lr_ratio", lambda v: _is_number(v) and 0 <= v <= 1, "must be in [0, 1]", "e.g. optim.min_lr_ratio=0.1"),
     ]
@@ -216,7 +212,7 @@ def check_optim(cfg: DictConfig) -> None:
 
 
 def check_layout(cfg: DictConfig) -> int:
-    """World size, schedule knobs, pipeline stages and the global batch, by the layout's own rules
+    """World size, schedule knobs, pipeline stages, the global batch and the sequence, by the layout's own rules
     (``ParallelDims.validate``) in the app's key names; returns data_parallel."""
     def get(key: str):
         return OmegaConf.select(cfg, key)
@@ -233,40 +229,26 @@ def check_layout(cfg: DictConfig) -> int:
         spec = ScheduleSpec(get("schedule.name"), pipeline_parallel=pp, loops=loops, micro_batches=m,
                             groups=_default(get("schedule.groups"), 1))
         dims = ParallelDims(world=devices * nodes, devices_per_node=devices, spec=spec, tensor_parallel=tp,
-                            sharding=_default(get("schedule.sharding"), "full"))
+                            sharding=_default(get("schedule.sharding"), "full"),
+                            sequence_parallel=_default(get("schedule.sequence_parallel"), False))
         n_layer = get("model.n_layer")
     names = Names(
         pipeline_parallel="schedule.pipeline_parallel", tensor_parallel="schedule.tensor_parallel",
-        loops="schedule.loops", groups="schedule.groups",
+        sequence_parallel="schedule.sequence_parallel", loops="schedule.loops", groups="schedule.groups",
         micro_batches="schedule.micro_batches" if n_layer is not None else "micro_batches (1 under strategy=auto)",
         sharding="schedule.sharding",
         world="cluster.devices x cluster.num_nodes", devices="cluster.devices", batch="data.batch_size",
         # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
-        layers=f"model.n_layer={n_layer} (embedding, {n_layer} blocks, head)")
+        layers=f"model.n_layer={n_layer} (embedding, {n_layer} blocks, head)",
+        sequence="data.block_size (model.block_size)")
+    block = get("data.block_size")
     try:
         dims.validate(num_layers=None if n_layer is None else n_layer + 2,
-                      global_batch=None if auto else get("data.batch_size"), names=names)
+                      global_batch=None if auto else get("data.batch_size"),
+                      sequence=block if is_count(block) else None, names=names)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if get("trainer.strategy") == "bfpp":
-        check_sequence_parallel(get("schedule.sequence_parallel"), dims.tensor_parallel, get("data.block_size"))
     return dims.data_parallel
-
-
-def check_sequence_parallel(sequence_parallel, tensor_parallel: int, block_size) -> None:
-    if sequence_parallel is None or sequence_parallel is False:
-        return
-    if sequence_parallel is not True:
-        raise ConfigError(f"schedule.sequence_parallel={sequence_parallel!r} must be true, false or null (off).")
-    if tensor_parallel == 1:
-        raise ConfigError("schedule.sequence_parallel=true splits each sequence over the tensor-parallel ranks, and "
-                          "schedule.tensor_parallel=1: set schedule.tensor_parallel=2 (or more), or "
-                          "schedule.sequence_parallel=false.")
-    if is_int(block_size) and block_size % tensor_parallel:
-        raise ConfigError(f"schedule.sequence_parallel=true gives each of the schedule.tensor_parallel={tensor_parallel} "
-                          f"ranks 1/{tensor_parallel} of a sequence, and data.block_size={block_size} does not divide by "
-                          f"{tensor_parallel}: set data.block_size (model.block_size) to a multiple of {tensor_parallel}, or "
-                          "schedule.sequence_parallel=false.")
 
 
 def corpus_windows(max_bytes: int, val_fraction: float, block_size: int, stride: int | None) -> tuple[int, int, int, int]:

@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_bfpp.sim.model import training_flops_per_token
+
 from lightning_bfpp.contract.hooks import PipelineHooks
 
 
@@ -253,6 +255,15 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 N + 12 L C T (attention scores), as in PaLM/nanoGPT."""
-    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+def matmul_params(model: nn.Module) -> int:
+    """Weights that take part in a matrix multiply: every parameter of 2 or more dimensions outside an embedding
+    lookup (a head tied to the embedding counts once, for its multiply). For any model: SwiGLU, grouped-query
+    attention and Hugging Face's Conv1D count as built."""
+    weights = {id(p): p.numel() for m in model.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False) if p.dim() >= 2}
+    return sum(weights.values())
+
+
+def flops_per_token(cfg: GPTConfig, model: nn.Module) -> float:
+    """Training FLOPs per token of `model` shaped by `cfg` (the simulator's formula, ``training_flops_per_token``)."""
+    return training_flops_per_token(matmul_params(model), cfg.n_layer, cfg.n_embd, cfg.block_size)

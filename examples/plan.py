@@ -20,13 +20,13 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir
-from config_checks import is_int
+from lightning_bfpp.schedule.checks import is_count
 
 run_dir.register_resolvers()
 
 
 def _ints(least: int):
-    return lambda v: is_int(v, least)
+    return lambda v: is_count(v, least)
 
 
 def check_plan(cfg: DictConfig) -> None:

@@ -391,8 +391,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     pp = s.pipeline_parallel if bfpp else 1
     tp = s.get("tensor_parallel", 1) if bfpp else 1
     metrics = PipelineMetrics(
-        # 6 N + 12 L C T (model.n_layer, n_embd, block_size): also for the HF models (N counts SwiGLU and GQA as built)
-        flops_per_token=flops_per_token(cfg.model, n_params),
+        # 6 x matmul weights + 12 L C T (model.n_layer, n_embd, block_size): the HF models' weights count as built
+        flops_per_token=flops_per_token(cfg.model, model),
         peak_flops=cfg.cluster.peak_flops,
         out_dir=run_dir,
         summary_extra={"model": cfg.model.name, "cluster": cfg.cluster.name, "params": n_params,

@@ -40,15 +40,16 @@ from .job.resume import skip_consumed_batches
 from .layout.auto import AutoLayout
 from .layout.layer_cost import auto_stage_layers
 from .layout.materialize import has_meta_tensors, init_hook, materialize
-from .layout.mesh import DP, PP, build_mesh, forget_groups
+from .layout.mesh import build_mesh, forget_groups
 from .layout.partition import plan_stages
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
-from .layout.tensor_parallel import grads_like_params, layer_plans, resolve_sequence_parallel
+from .layout.tensor_parallel import grads_like_params, layer_plans
 from .runtime.measure import check_every_n_steps, measure_now, step_stats
 from .runtime.pipeline import PipelineRunner, batch_rows
 from .runtime.reduce import clip_grad_norm_on_mesh, share_from_ranks
 from .schedule import Schedule
+from .schedule.dims import DP, PP
 
 
 class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
@@ -145,9 +146,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.measure_every_n_steps = check_every_n_steps(measure_every_n_steps)
         self.nonfinite = NonfiniteLoss(nonfinite_loss, max_consecutive_skips)
         # the layout, checked now (before any process starts), then again with the world and the model
-        self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, loops, micro_batches, schedule, groups, sharding,
-                               reshard_after_forward, stage_layers, layout, global_batch_size)
-        self.sequence_parallel = resolve_sequence_parallel(sequence_parallel, tensor_parallel)
+        self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
+                               groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -172,6 +172,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     spec = property(lambda self: self.plan.dims.spec)
     pipeline_parallel = property(lambda self: self.plan.dims.pipeline_parallel)
     tensor_parallel = property(lambda self: self.plan.dims.tensor_parallel)
+    sequence_parallel = property(lambda self: self.plan.dims.sequence_parallel)
     data_parallel = property(lambda self: self.plan.dims.data_parallel)
     sharding = property(lambda self: self.plan.dims.sharding)
     loops = property(lambda self: self.plan.dims.spec.loops)
@@ -218,8 +219,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             rank_zero_info(self.plan.decide(module, layers, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
         self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.on_signal, self.signal_grace_s)
-        self._device_mesh = build_mesh(self.root_device.type, self.pipeline_parallel, self.world_size,
-                                       process_group_timeout(self), self.tensor_parallel)
+        self._device_mesh = build_mesh(self.dims, self.root_device.type, process_group_timeout(self))
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
 
@@ -326,8 +326,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
                                                  self.activation_checkpointing, self.compile)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims.sharded, self.compile,
-                                      self.tensor_parallel if self.sequence_parallel else 1)
+                                      module.pipeline_loss, self.dims, self.compile)
 
     def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
         """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see

@@ -1,12 +1,14 @@
 """The example GPT — layer shapes, the loss at init, the hooks, checkpointing, the optimizer."""
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor
+from gpt import GPT, GPTConfig, OptimConfig, flops_per_token, lr_factor, matmul_params
 
 from lightning_bfpp.contract.hooks import check_hooks
+from lightning_bfpp.sim import Model
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 
@@ -114,6 +116,11 @@ def test_a_few_steps_overfit_one_batch():
     assert loss.item() < first - 1.0
 
 
-def test_flops_per_token_counts_params_and_attention():
-    n = sum(p.numel() for p in GPT(CFG).parameters())
-    assert flops_per_token(CFG, n) == 6 * n + 12 * 2 * 32 * 16
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_is_the_simulators_formula_on_the_built_model(tied):
+    cfg = dataclasses.replace(CFG, tie_weights=tied)
+    model = GPT(cfg)
+    h, v = cfg.n_embd, cfg.vocab_size
+    assert matmul_params(model) == 12 * h * h * cfg.n_layer + v * h  # q, k, v, proj, MLP (4h, back) per block; head
+    want = Model(cfg.n_layer, cfg.n_head, h, cfg.block_size, v).flops_per_token()
+    assert flops_per_token(cfg, model) == want == 6 * matmul_params(model) + 12 * cfg.n_layer * h * cfg.block_size

@@ -1,4 +1,4 @@
-"""parallel.build_mesh with a timeout (public new_subgroups_by_enumeration + DeviceMesh.from_group): the same ranks
+"""layout.mesh.build_mesh with a timeout (public new_subgroups_by_enumeration + DeviceMesh.from_group): the same ranks
 per dimension as init_device_mesh, and its groups time out after the given timeout. 4 gloo processes on the CPU."""
 
 from __future__ import annotations
@@ -12,9 +12,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from procenv import free_port
 
-from lightning_bfpp.layout.mesh import DP, PP, TP, build_mesh
+from lightning_bfpp.layout.mesh import build_mesh
+from lightning_bfpp.schedule import ScheduleSpec
+from lightning_bfpp.schedule.dims import DP, PP, TP, ParallelDims
 
 WORLD = 4
+
+
+def _dims(pp: int, tp: int = 1) -> ParallelDims:
+    return ParallelDims(world=WORLD, spec=ScheduleSpec(pipeline_parallel=pp), tensor_parallel=tp).validate()
 
 
 def _threads() -> int:
@@ -28,21 +34,21 @@ def _worker(rank: int, port: int, out: dict) -> None:
         found = {}
         for pp, tp in ((2, 1), (1, 2), (2, 2), (4, 1)):
             names = (PP, DP, TP) if tp > 1 else (PP, DP)
-            ours = build_mesh("cpu", pp, WORLD, timeout=timedelta(seconds=60), tensor_parallel=tp)
-            torch_s = build_mesh("cpu", pp, WORLD, tensor_parallel=tp)  # init_device_mesh
+            ours = build_mesh(_dims(pp, tp), "cpu", timeout=timedelta(seconds=60))
+            torch_s = build_mesh(_dims(pp, tp), "cpu")  # init_device_mesh
             found[(pp, tp)] = [(dist.get_process_group_ranks(ours[n].get_group()),
                                 dist.get_process_group_ranks(torch_s[n].get_group())) for n in names]
             assert ours.mesh.tolist() == torch_s.mesh.tolist()
             t = torch.ones(())
             dist.all_reduce(t, group=ours[names[-1]].get_group())  # the groups work
             found[(pp, tp, "sum")] = t.item()
-        again = build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=60))  # a later run's mesh: the same groups
-        found["reused"] = again is build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=60))
+        again = build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))  # a later run's mesh: the same groups
+        found["reused"] = again is build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))
         threads = _threads()
         for _ in range(5):
-            build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=60))
+            build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))
         found["new_threads"] = _threads() - threads
-        mesh = build_mesh("cpu", 2, WORLD, timeout=timedelta(seconds=2))
+        mesh = build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=2))
         if rank == 0:  # rank 1 (its data-parallel peer) never joins: the all-reduce must fail after ~2 s, not 30 min
             start = time.monotonic()
             try:

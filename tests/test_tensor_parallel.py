@@ -262,9 +262,11 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
         None if name == "blocks.1" else GPT.pipeline_tp_plan(model, name, layer, tp, sequence_parallel))
     with pytest.raises(ValueError, match=r"returned no plan, so blocks.1 would run on a sequence shard"):
         layer_plans(model, layers, 2, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"shape \(2, 7\)\) over tensor_parallel=2 ranks, and its length 7 does not divide"):
-        check_sequence_length((torch.zeros(2, 7, dtype=torch.long),), 2)
-    check_sequence_length(torch.zeros(2, 8, dtype=torch.long), 2)
+    dims = ParallelDims(world=2, tensor_parallel=2, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"over tensor_parallel=2 ranks, and the sequence length \(dim 1 of the first input, "
+                                         r"shape \(2, 7\)\)=7 does not divide by 2"):
+        check_sequence_length((torch.zeros(2, 7, dtype=torch.long),), dims)
+    check_sequence_length(torch.zeros(2, 8, dtype=torch.long), dims)
 
 
 class _Collectives:

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from ..schedule.checks import is_count
+
 NONFINITE_LOSS = ("stop", "skip")
 
 
@@ -17,7 +19,7 @@ class NonfiniteLoss:
     def __init__(self, policy: str = "stop", max_consecutive: int = 5) -> None:
         if policy not in NONFINITE_LOSS:
             raise ValueError(f"nonfinite_loss={policy!r} must be one of {NONFINITE_LOSS}: stop the run, or skip the step.")
-        if not (isinstance(max_consecutive, int) and not isinstance(max_consecutive, bool) and max_consecutive >= 1):
+        if not is_count(max_consecutive):
             raise ValueError(f"max_consecutive_skips={max_consecutive!r} must be a positive integer (default 5).")
         self.policy, self.max_consecutive = policy, max_consecutive
         self.skipped = 0

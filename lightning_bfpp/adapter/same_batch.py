@@ -37,18 +37,13 @@ def _same(a: float, b: float) -> bool:
 
 def check_same_batch(batch: Any, where: str, dims: ParallelDims, device: torch.device) -> None:
     """Raise on every rank (the same message) when the ranks of a data-parallel replica hold different batches
-    (nothing to compare when a replica is one rank). Ranks are laid out (pp, dp, tp), tp innermost: rank r belongs
-    to replica (r // tp) % dp."""
-    data_parallel, tensor_parallel = dims.data_parallel, dims.tensor_parallel
-    if dims.pipeline_parallel * tensor_parallel == 1:
+    (nothing to compare when a replica is one rank); each rank is compared with its replica's first rank."""
+    if dims.pipeline_parallel * dims.tensor_parallel == 1:
         return
-
-    def first(rank: int) -> int:  # the lowest rank of `rank`'s replica
-        return (rank // tensor_parallel) % data_parallel * tensor_parallel
-
     rows = gather_rows(fingerprint(batch), device)
-    differ = [(first(rank), rank) for rank, row in enumerate(rows)
-              if not all(_same(a, b) for a, b in zip(row, rows[first(rank)]))]
+    leaders = [dims.replica_leader(rank) for rank in range(len(rows))]
+    differ = [(first, rank) for rank, (row, first) in enumerate(zip(rows, leaders))
+              if not all(_same(a, b) for a, b in zip(row, rows[first]))]
     if differ:
         pairs = ", ".join(f"rank {b} vs rank {a}" for a, b in differ[:4])
         raise RuntimeError(

@@ -1,5 +1,5 @@
-"""The (pipeline_parallel, data_parallel[, tensor_parallel]) DeviceMesh and the process groups over it, built
-once per process; the mesh's axis names."""
+"""The DeviceMesh of a layout (its shape and names are ``schedule.dims.ParallelDims``') and the process groups over
+it, built once per process."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
+from ..schedule.dims import ParallelDims
+
 
 # Process groups built under the current default group, by what they are: every Trainer run in a long-lived
 # process (a notebook, an in-process sweep, a benchmark running many fits) reuses them instead of creating new
@@ -38,24 +39,17 @@ def shared_group(ranks: Collection[int], timeout: timedelta | None = None) -> di
     return _once(("group", tuple(ranks), timeout), lambda: dist.new_group(ranks, timeout=timeout))
 
 
-def build_mesh(device_type: str, pipeline_parallel: int, world_size: int, timeout: timedelta | None = None,
-               tensor_parallel: int = 1) -> DeviceMesh:
-    """(pp, dp) mesh, dp innermost: the ranks of one data-parallel group are contiguous (same node); with
-    `tensor_parallel` > 1, (pp, dp, tp) with tp innermost (one tensor-parallel group within a node).
-    Its process groups get `timeout` (torch would give subgroups its 30 min default, not the world's). The same
-    layout built again in this process returns the same mesh (its groups are made once, `_once`)."""
-    if world_size % (pipeline_parallel * tensor_parallel):
-        raise ValueError(
-            f"pipeline_parallel x tensor_parallel = {pipeline_parallel} x {tensor_parallel} must divide the world size "
-            f"({world_size} = devices x num_nodes)."
-        )
-    names = (PP, DP, TP) if tensor_parallel > 1 else (PP, DP)
-    shape = (pipeline_parallel, world_size // (pipeline_parallel * tensor_parallel), tensor_parallel)[:len(names)]
+def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+    """The DeviceMesh of the validated layout `dims`: its shape and dimension names (``ParallelDims.mesh_shape``,
+    ``mesh_dim_names``; dp innermost but for tp, so the ranks of one data-parallel or tensor-parallel group are
+    contiguous, one node). Its process groups get `timeout` (torch would give subgroups its 30 min default, not the
+    world's). The same layout built again in this process returns the same mesh (its groups are made once, `_once`)."""
+    shape, names = dims.mesh_shape, dims.mesh_dim_names
 
     def make() -> DeviceMesh:
         if timeout is None:
             return init_device_mesh(device_type, shape, mesh_dim_names=names)
-        grid = torch.arange(world_size).reshape(shape)
+        grid = torch.arange(dims.world).reshape(shape)
         return DeviceMesh.from_group(_dim_groups(grid, timeout), device_type, mesh=grid, mesh_dim_names=names)
 
     return _once(("mesh", device_type, shape, timeout), make)
@@ -73,4 +67,5 @@ def _dim_groups(ranks: torch.Tensor, timeout: timedelta) -> list[dist.ProcessGro
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t` (a DTensor's local tensor; any other tensor as it is)."""
     return t.to_local() if hasattr(t, "to_local") else t

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from torch import nn
 
 from ..schedule import Schedule, ScheduleSpec, build_schedule
+from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
 from .partition import check_stage_layers
@@ -25,7 +26,8 @@ class LayoutPlan:
     """pipeline_parallel, loops, micro_batches, schedule, sharding and the stage cut of a BFPPStrategy (its
     arguments of the same names; see ``BFPPStrategy``)."""
 
-    def __init__(self, pipeline_parallel: int | None, tensor_parallel: int, loops: int | None,
+    def __init__(self, pipeline_parallel: int | None, tensor_parallel: int, sequence_parallel: bool | None,
+                 loops: int | None,
                  micro_batches: int | None, schedule: str | None, groups: int | None, sharding: str | None,
                  reshard_after_forward: bool | None, stage_layers: Sequence[int] | Literal["auto"] | None,
                  layout: Literal["auto"] | AutoLayout | None, global_batch_size: int | None) -> None:
@@ -35,8 +37,7 @@ class LayoutPlan:
         if self.auto_layout is not None and not isinstance(self.auto_layout, AutoLayout):
             raise ValueError(f"layout={layout!r} must be 'auto', an AutoLayout(...) or None (the knobs as given).")
         self.pinned = {k: given[k] for k in KNOBS if given[k] is not None} if self.auto_layout else {}
-        if (self.auto_layout or global_batch_size is not None) and not (
-                isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size >= 1):
+        if (self.auto_layout or global_batch_size is not None) and not is_count(global_batch_size):
             raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive integer, the samples per "
                              "optimizer step over all replicas (layout='auto' needs global_batch_size: every candidate "
                              "layout trains that same batch, each replica loading global_batch_size / data_parallel, "
@@ -60,7 +61,8 @@ class LayoutPlan:
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
         self.dims = ParallelDims(world=pp * tensor_parallel if isinstance(tensor_parallel, int) else pp, spec=spec,
-                                 tensor_parallel=tensor_parallel, sharding=sharding).validate()
+                                 tensor_parallel=tensor_parallel, sharding=sharding,
+                                 sequence_parallel=_given(sequence_parallel, False)).validate()
         self.train_schedule: Schedule = build_schedule(spec)
         # one positive count per stage now; that they add up to the model's layers is checked with the model
         self.stage_layers = "auto" if stage_layers == "auto" else check_stage_layers(

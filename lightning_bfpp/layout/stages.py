@@ -10,9 +10,8 @@ from datetime import timedelta
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedule.dims import ParallelDims
+from ..schedule.dims import DP, PP, TP, ParallelDims
 from .fsdp import shard_stage, stage_mixed_precision
-from .mesh import DP, PP, TP
 from .partition import StageModule, named_parts, split_stages
 from .tensor_parallel import apply_plans
 from .tied import TiedWeights, find_shared_weights
@@ -29,10 +28,9 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
     modules, names = split_stages(module, layers, spec.num_stages, spec.local_stages(mesh[PP].get_local_rank()),
                                   spec.stage_rank, stage_layers)
     # weights shared across stages (tied embeddings): one copy per stage, before stages are cast or sharded;
-    # global rank = (pipeline rank x dp + dp index) x tp + tp index: copies are summed per (dp, tp) index
+    # copies are summed per (replica, tensor-parallel rank)
     shared = find_shared_weights(parts, names)
-    tied = TiedWeights(module, shared, modules, spec.stage_rank, dims.data_parallel * dims.tensor_parallel,
-                       global_rank, timeout, order)
+    tied = TiedWeights(module, shared, modules, dims, global_rank, timeout, order)
     return modules, names, tied
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import TP
+from ..schedule.dims import TP, Names, ParallelDims
 from .partition import layer_names
 
 HOOK = "pipeline_tp_plan"
@@ -119,27 +119,15 @@ def _split_dim(module: nn.Module, style) -> int | None:
     return None
 
 
-def resolve_sequence_parallel(sequence_parallel: bool | None, tensor_parallel: int) -> bool:
-    """``BFPPStrategy(sequence_parallel=)`` checked against tensor_parallel; None: off."""
-    if sequence_parallel not in (None, True, False):
-        raise ValueError(f"sequence_parallel={sequence_parallel!r} must be True, False or None (off).")
-    if sequence_parallel and not (isinstance(tensor_parallel, int) and tensor_parallel > 1):
-        raise ValueError(f"sequence_parallel=True splits the sequence over the tensor-parallel ranks, and "
-                         f"tensor_parallel={tensor_parallel}: set tensor_parallel > 1, or sequence_parallel=False.")
-    return bool(sequence_parallel)
-
-
-def check_sequence_length(inputs: Any, tensor_parallel: int) -> None:
-    """Under sequence parallel each tp rank holds 1/tp of the sequence (dim 1 of the first input): it must divide."""
+def check_sequence_length(inputs: Any, dims: ParallelDims) -> None:
+    """The layout's sequence rule (``ParallelDims.check_sequence``) on a batch: the length is dim 1 of the first
+    input."""
     first = inputs[0] if isinstance(inputs, tuple) else inputs
-    if isinstance(first, torch.Tensor) and (first.dim() < 2 or first.shape[SEQUENCE_DIM] % tensor_parallel):
-        length = first.shape[SEQUENCE_DIM] if first.dim() >= 2 else None
-        raise ValueError(
-            f"sequence_parallel=True splits the sequence (dim {SEQUENCE_DIM} of the first input, shape "
-            f"{tuple(first.shape)}) over tensor_parallel={tensor_parallel} ranks, and its length {length} does not "
-            f"divide by {tensor_parallel}: use sequences (model.block_size / the data's length) divisible by "
-            f"{tensor_parallel}, or sequence_parallel=False."
-        )
+    if not isinstance(first, torch.Tensor):
+        return
+    length = first.shape[SEQUENCE_DIM] if first.dim() > SEQUENCE_DIM else None
+    where = f"the sequence length (dim {SEQUENCE_DIM} of the first input, shape {tuple(first.shape)})"
+    dims.check_sequence(length, Names(sequence=where))
 
 
 def _plan_hook(root: nn.Module, tensor_parallel: int, sequence_parallel: bool):

@@ -4,13 +4,14 @@ gradients are summed (locally and over the pipeline ranks holding a copy), so id
 steps keep the copies bit-identical — the single-process model's one tensor, one gradient."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..schedule.dims import ParallelDims
 from .mesh import local_tensor, shared_group
 
 
@@ -34,8 +35,8 @@ class TiedWeights:
 
     Build it after the stages are split and before they are sharded or cast: a second local stage using
     a weight gets its own clone (one FSDP unit per stage cannot share a parameter). Every rank must build
-    it (process groups are created collectively): one group per data-parallel index over the pipeline
-    ranks that hold a copy (global rank = pipeline rank x dp + dp index).
+    it (process groups are created collectively): one group per (replica, tensor-parallel rank) over the pipeline
+    ranks that hold a copy (``ParallelDims.across_pipeline_ranks``).
     """
 
     def __init__(
@@ -43,8 +44,7 @@ class TiedWeights:
         root: nn.Module,
         shared: list[dict[int, str]],
         local_stages: Iterable[int],
-        stage_rank: Callable[[int], int],
-        data_parallel: int,
+        dims: ParallelDims,
         global_rank: int,
         timeout: timedelta | None = None,
         module_order: dict[str, int] | None = None,
@@ -59,9 +59,9 @@ class TiedWeights:
         groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for uses in shared:
             stages = sorted(uses)
-            pipeline_ranks = tuple(sorted({stage_rank(s) for s in stages}))
+            pipeline_ranks = tuple(sorted({dims.spec.stage_rank(s) for s in stages}))
             if pipeline_ranks not in groups:
-                groups[pipeline_ranks] = self._new_group(pipeline_ranks, data_parallel, global_rank, timeout)
+                groups[pipeline_ranks] = self._new_group(dims, pipeline_ranks, global_rank, timeout)
             mine = [uses[s] for s in stages if s in local]
             original = root.get_parameter(mine[0]) if mine else None
             for name in mine[1:]:
@@ -77,13 +77,12 @@ class TiedWeights:
 
     @staticmethod
     def _new_group(
-        pipeline_ranks: tuple[int, ...], data_parallel: int, global_rank: int, timeout: timedelta | None
+        dims: ParallelDims, pipeline_ranks: tuple[int, ...], global_rank: int, timeout: timedelta | None
     ) -> dist.ProcessGroup | None:
         if len(pipeline_ranks) == 1:
             return None  # every copy lives on this pipeline rank: a local sum
         mine = None
-        for d in range(data_parallel):  # new_group is collective: every rank creates every group, same order
-            ranks = [r * data_parallel + d for r in pipeline_ranks]
+        for ranks in dims.across_pipeline_ranks(pipeline_ranks):  # collective: every rank makes every group, in order
             group = shared_group(ranks, timeout)
             if global_rank in ranks:
                 mine = group

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._private.pipelining import after_reduce_grad
+from ..layout.mesh import local_tensor
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's bucket_cap_mb default: large enough to amortise each collective's latency
 
@@ -51,8 +52,7 @@ class BucketedAllReduce:
     def start(self, module: nn.Module) -> None:
         """Start the all-reduces of `module`'s gradients (asynchronous; `wait` finishes them)."""
         # a tensor-parallel DTensor's gradient: its local part (shares storage: the averages land in the DTensor)
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in module.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
         for bucket in buckets(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             self._pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))

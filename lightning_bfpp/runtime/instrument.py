@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .._private.pipelining import time_stage_compute
 from .._private.torch_api import compiled_graph_count, dtensor_local
+from ..layout.mesh import local_tensor
 
 
 class Timeline:
@@ -73,7 +74,7 @@ class SavedActivationMeter:
         are not activations. Re-read at every storage not known yet (cost: one pass over the local
         parameters per saved activation; only under FSDP2, the one thing that swaps parameters mid-step)."""
         self._param_ptrs = {
-            (p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            local_tensor(p).untyped_storage().data_ptr()
             for module in self._modules
             for p in module.parameters()
         }
@@ -133,7 +134,7 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = local_tensor(t)
         total += t.numel() * t.element_size()
     return total
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
+from ..schedule.checks import is_count
 from .instrument import MEMORY_KEYS, TIMELINE_KEYS, gather_stats, local_bytes, optimizer_bytes
 
 
 def check_every_n_steps(every_n_steps: int | None) -> int | None:
-    if every_n_steps is not None and not (
-            isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps >= 0):
+    if every_n_steps is not None and not is_count(every_n_steps, 0):
         raise ValueError(f"measure_every_n_steps={every_n_steps!r} must be None (Lightning's logging steps), a positive "
                          "integer N (every N-th step) or 0 (never).")
     return every_n_steps

@@ -15,11 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._private.pipelining import build_runtime
 from ..contract.layer_io import BOUNDARY_RULE
-from ..layout.mesh import DP, PP
 from ..layout.partition import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
-from ..schedule.dims import Names, micro_batch_size
+from ..schedule.dims import DP, PP, Names, ParallelDims, micro_batch_size
 from .grad_sync import BucketedAllReduce
 from .instrument import CompileCounter, SavedActivationMeter, Timeline, local_bytes
 
@@ -59,7 +58,7 @@ class PipelineRunner:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         replicate_group: dist.ProcessGroup | None = None,
         compiled: bool = False,
-        sequence_shards: int = 1,
+        dims: ParallelDims | None = None,
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -76,7 +75,7 @@ class PipelineRunner:
         self.meter = SavedActivationMeter(modules.values())
         self.last_stats: dict[str, float] = {}
         self.compiled = CompileCounter() if compiled else None  # layers compiled: graphs made per training step
-        self.sequence_shards = sequence_shards  # sequence parallel: the tp ranks sharing each sequence (else 1)
+        self.dims = dims  # the layout: its sequence rule is checked on every batch (None: no rule)
         self.message_bytes = 0  # the largest activation message this rank sends (a stage's output, but the last's)
         for s, module in modules.items():
             if s != spec.num_stages - 1:
@@ -84,13 +83,13 @@ class PipelineRunner:
 
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
-                loss_fn: Callable[[Any, Any], torch.Tensor], sharded: bool, compiled: bool = False,
-                sequence_shards: int = 1) -> PipelineRunner:
-        """A runner over the (pp, dp[, tp]) `mesh`: p2p over its pipeline group; gradients all-reduced over its
-        data-parallel group unless the stages are `sharded` (FSDP2 reduce-scatters them)."""
+                loss_fn: Callable[[Any, Any], torch.Tensor], dims: ParallelDims,
+                compiled: bool = False) -> PipelineRunner:
+        """A runner over the `mesh` of the layout `dims`: p2p over its pipeline group; gradients all-reduced over its
+        data-parallel group unless the stages are sharded (FSDP2 reduce-scatters them)."""
         dp_mesh = mesh[DP]
-        replicate_group = dp_mesh.get_group() if not sharded and dp_mesh.size() > 1 else None
-        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, sequence_shards)
+        replicate_group = dp_mesh.get_group() if not dims.sharded and dp_mesh.size() > 1 else None
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims)
 
     def _count_message(self, _module: nn.Module, _args: Any, output: Any) -> None:
         tensors = output if isinstance(output, (tuple, list)) else (output,)
@@ -128,8 +127,8 @@ class PipelineRunner:
         return self._runtimes[key][0]
 
     def _run(self, mode: str, inputs: Any, target: Any, keep_outputs: bool = False) -> tuple[Any, list[torch.Tensor]]:
-        if self.sequence_shards > 1:
-            check_sequence_length(inputs, self.sequence_shards)
+        if self.dims is not None and self.dims.sequence_divisor > 1:
+            check_sequence_length(inputs, self.dims)
         if mode == "train":
             micro_batch_size(batch_rows(inputs), self.spec.micro_batches, _BATCH_NAMES)
         runtime = self._runtime(mode, inputs)

@@ -9,8 +9,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..layout.mesh import DP, PP, TP, local_tensor
+from ..layout.mesh import local_tensor
 from ..layout.tensor_parallel import sum_over_tp, tp_sharded
+from ..schedule.dims import DP, PP, TP
 
 
 def clip_grad_norm_global(

@@ -1,13 +1,22 @@
-"""The parallel layout of a run — how the world's processes split into pipeline x data x tensor parallel,
-how the model's layers fill the stages and a step's batch the micro-batches — and its one `validate()`. The
-strategy, the app's preflight and the planner all check a layout here; each names the settings in its
+"""The one owner of the parallel layout: how the world's processes split into pipeline x data x tensor parallel
+(the mesh's shape, dimension names and every rank's coordinates), how the model's layers fill the stages and a
+step's batch the micro-batches, the sequence rule of sequence parallel, and its one `validate()`. The strategy,
+the mesh builder (``layout.mesh``), the app's preflight and the planner all ask it; each names the settings in its
 users' words (`Names`). Pure Python, like the rest of the schedule package."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .actions import ScheduleError, ScheduleSpec
+from .checks import is_count
 from .generate import check_spec
+
+# The mesh's dimensions, outermost first (tp innermost: a tensor-parallel group is contiguous ranks of one node).
+# DP's name is a contract with Lightning: ModelParallelStrategy's `distributed_sampler_kwargs` reads
+# ``device_mesh["data_parallel"]`` for the sampler's replica count and rank (all ranks of a replica, whatever their
+# pipeline or tensor-parallel coordinate, load the same batch). Renaming it breaks the sampler.
+PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
 
 SHARDING = ("full", "none")  # full: FSDP2 over data parallel; none: replicated weights, gradients all-reduced
 
@@ -23,6 +32,7 @@ class Names:
     schedule: str = "schedule"
     pipeline_parallel: str = "pipeline_parallel"
     tensor_parallel: str = "tensor_parallel"
+    sequence_parallel: str = "sequence_parallel"
     loops: str = "loops"
     micro_batches: str = "micro_batches"
     groups: str = "groups"
@@ -32,22 +42,33 @@ class Names:
     batch: str = "the global batch"
     replica_batch: str = "the per-replica batch"  # samples one data-parallel replica loads per step
     layers: str = "pipeline_layers()"
+    sequence: str = "the sequence length (dim 1 of the first input)"  # shown as "<sequence>=<length>"
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class Coordinates(NamedTuple):
+    """A rank's place in the mesh: its pipeline rank, data-parallel replica and tensor-parallel rank."""
+
+    pipeline: int
+    data: int
+    tensor: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """world = pipeline_parallel x data_parallel x tensor_parallel (tp innermost, within one node of
-    `devices_per_node` processes); `spec` holds the schedule knobs (pp, loops, micro-batches, groups)."""
+    `devices_per_node` processes); `spec` holds the schedule knobs (pp, loops, micro-batches, groups).
+    Global rank = (pipeline rank x dp + replica) x tp + tensor-parallel rank (``rank``, ``coordinates``)."""
 
     world: int
     spec: ScheduleSpec = field(default_factory=ScheduleSpec)
     tensor_parallel: int = 1
     devices_per_node: int | None = None  # None: one node holds the world
     sharding: str = "full"
+    sequence_parallel: bool = False  # with tp > 1: activations between split modules are 1/tp of the sequence
 
     @property
     def pipeline_parallel(self) -> int:
@@ -66,10 +87,57 @@ class ParallelDims:
         """Whether stages are FSDP-sharded (sharding="full" over more than one data-parallel rank)."""
         return self.sharding == "full" and self.data_parallel > 1
 
+    # ---- the mesh ---------------------------------------------------------------------------------------------
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """(PP, DP), and TP innermost when tensor_parallel > 1."""
+        return (PP, DP, TP) if self.tensor_parallel > 1 else (PP, DP)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes along `mesh_dim_names`."""
+        return (self.pipeline_parallel, self.data_parallel, self.tensor_parallel)[:len(self.mesh_dim_names)]
+
+    def rank(self, pipeline: int, data: int, tensor: int = 0) -> int:
+        """The global rank at these mesh coordinates."""
+        return (pipeline * self.data_parallel + data) * self.tensor_parallel + tensor
+
+    def coordinates(self, rank: int) -> Coordinates:
+        """Where global `rank` sits in the mesh."""
+        rest, tensor = divmod(rank, self.tensor_parallel)
+        pipeline, data = divmod(rest, self.data_parallel)
+        return Coordinates(pipeline, data, tensor)
+
+    def replica_leader(self, rank: int) -> int:
+        """The lowest rank of `rank`'s data-parallel replica (the ranks that must load the same batch)."""
+        return self.rank(0, self.coordinates(rank).data)
+
+    def across_pipeline_ranks(self, pipeline_ranks: tuple[int, ...]) -> list[list[int]]:
+        """For every (replica, tensor-parallel rank), in that order, the global ranks at `pipeline_ranks`: the
+        groups over which the copies of a weight that several pipeline ranks hold are summed."""
+        return [[self.rank(p, d, t) for p in pipeline_ranks]
+                for d in range(self.data_parallel) for t in range(self.tensor_parallel)]
+
+    # ---- the sequence ------------------------------------------------------------------------------------------
+    @property
+    def sequence_divisor(self) -> int:
+        """What every sequence length must divide by: the tp ranks sharing each sequence under sequence parallel."""
+        return self.tensor_parallel if self.sequence_parallel else 1
+
+    def check_sequence(self, length: int | None, names: Names = Names()) -> None:
+        """Raise LayoutError when a sequence of `length` (None: an input without a sequence dimension) cannot be
+        split into `sequence_divisor` shards."""
+        d = self.sequence_divisor
+        if d > 1 and (length is None or length % d):
+            raise LayoutError(
+                f"{names.sequence_parallel}=True splits every sequence over {names.tensor_parallel}={d} ranks, and "
+                f"{names.sequence}={length} does not divide by {d}: use sequences whose length divides by {d}, or "
+                f"{names.sequence_parallel}=False.")
+
     def validate(self, *, num_layers: int | None = None, global_batch: int | None = None,
-                 names: Names = Names()) -> ParallelDims:
+                 sequence: int | None = None, names: Names = Names()) -> ParallelDims:
         """Raise ScheduleError / LayoutError naming the setting (in `names`' words) and a fix for the first rule
-        broken; `num_layers` and `global_batch` are checked when known. Returns self."""
+        broken; `num_layers`, `global_batch` and the `sequence` length are checked when known. Returns self."""
         check_spec(self.spec, names)
         self._check_options(names)
         self._check_world(names)
@@ -77,13 +145,20 @@ class ParallelDims:
             self._check_layers(num_layers, names)
         if global_batch is not None:
             self.replica_batch(global_batch, names)
+        if sequence is not None:
+            self.check_sequence(sequence, names)
         return self
 
     def _check_options(self, n: Names) -> None:
         tp = self.tensor_parallel
-        if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+        if not is_count(tp):
             raise LayoutError(f"{n.tensor_parallel}={tp!r} must be a positive integer (1: no tensor parallel; 2, 4, "
                               "8: processes of one node splitting every layer).")
+        if self.sequence_parallel not in (True, False):
+            raise LayoutError(f"{n.sequence_parallel}={self.sequence_parallel!r} must be True, False or None (off).")
+        if self.sequence_parallel and tp == 1:
+            raise LayoutError(f"{n.sequence_parallel}=True splits the sequence over the tensor-parallel ranks, and "
+                              f"{n.tensor_parallel}=1: set {n.tensor_parallel} > 1, or {n.sequence_parallel}=False.")
         if self.sharding not in SHARDING:
             raise LayoutError(f"{n.sharding}={self.sharding!r} is unknown; choose one of {', '.join(SHARDING)} (full: "
                               "FSDP over data parallel; none: replicated weights, gradients all-reduced).")

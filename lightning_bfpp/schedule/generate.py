@@ -3,6 +3,7 @@ and the legality rules of the schedule knobs. Communication is added later by `l
 from __future__ import annotations
 
 from .actions import BREADTH_FIRST, LOOPED_SCHEDULES, SCHEDULES, Action, Op, ScheduleError, ScheduleSpec
+from .checks import is_count
 
 
 def check_spec(spec: ScheduleSpec, names=None) -> None:
@@ -17,7 +18,7 @@ def check_spec(spec: ScheduleSpec, names=None) -> None:
              "micro_batches": "usually a multiple of pipeline_parallel", "groups": "1 = one breadth-first pass"}
     for key, hint in hints.items():
         value = getattr(spec, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_count(value):
             raise ScheduleError(f"{n(key)}={value!r} must be a positive integer (>= 1; {hint}); set {n(key)}=1 or more.")
     pp, loops, m, groups = spec.pipeline_parallel, spec.loops, spec.micro_batches, spec.groups
     if spec.name not in LOOPED_SCHEDULES and loops != 1:

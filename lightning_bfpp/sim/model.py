@@ -72,6 +72,14 @@ class Layers:
         return 3.0 * sum(self.forward_flops) * self.tensor_parallel
 
 
+def training_flops_per_token(matmul_params: float, n_layer: int, n_embd: int, seq: int) -> float:
+    """Model FLOPs per trained token (forward + backward, no recompute): 6 per matrix-multiply weight (2 forward,
+    4 backward; an embedding lookup is free) plus attention's scores and values, 12 x layers x width x sequence
+    (the non-causal count, as Megatron's formula). The one FLOPs formula: the simulator's `Model` and
+    examples/train.py's MFU both use it."""
+    return 6.0 * matmul_params + 12.0 * n_layer * n_embd * seq
+
+
 @dataclass(frozen=True)
 class Model:
     """Shape of a decoder-only transformer from a `conf/model/*.yaml` dict, whose pipeline layers are
@@ -176,5 +184,6 @@ class Model:
                       weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp)))
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per trained token (forward + backward, no recompute): for MFU/tokens-per-second."""
-        return 3.0 * sum(self.layer_forward_flops())
+        """Model FLOPs per trained token (``training_flops_per_token``): for MFU and tokens per second."""
+        h = self.n_embd
+        return training_flops_per_token(12 * h * h * self.n_layer + self.vocab * h, self.n_layer, h, self.seq)

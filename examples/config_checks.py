@@ -240,7 +240,7 @@ def check_layout(cfg: DictConfig) -> int:
         world="cluster.devices x cluster.num_nodes", devices="cluster.devices", batch="data.batch_size",
         # embedding + blocks + head (also lightning_bfpp.hf's GPT-2 and Llama)
         layers=f"model.n_layer={n_layer} (embedding, {n_layer} blocks, head)",
-        sequence="data.block_size (model.block_size)")
+        sequence="data.block_size")
     block = get("data.block_size")
     try:
         dims.validate(num_layers=None if n_layer is None else n_layer + 2,

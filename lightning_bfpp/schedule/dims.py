@@ -131,7 +131,7 @@ class ParallelDims:
         if d > 1 and (length is None or length % d):
             raise LayoutError(
                 f"{names.sequence_parallel}=True splits every sequence over {names.tensor_parallel}={d} ranks, and "
-                f"{names.sequence}={length} does not divide by {d}: use sequences whose length divides by {d}, or "
+                f"{names.sequence}={length} does not divide by {d}: make {names.sequence} a multiple of {d}, or set "
                 f"{names.sequence_parallel}=False.")
 
     def validate(self, *, num_layers: int | None = None, global_batch: int | None = None,

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 import common  # noqa: E402,F401  (puts examples/ and tests/ on sys.path)
 from launch import start_lightning  # noqa: E402
 
-from lightning_bfpp.job.watchdog import pid_alive  # noqa: E402
+from lightning_bfpp.job.liveness import pid_alive  # noqa: E402
 
 WORLD = 4
 

@@ -19,7 +19,7 @@ from launch import SCRIPT, clean_env, run_lightning, run_torchrun, start_lightni
 
 import lightning_bfpp.checkpoint as ckpt
 from lightning_bfpp.job.guard import STARTUP_TIMEOUT
-from lightning_bfpp.job.watchdog import pid_alive
+from lightning_bfpp.job.liveness import pid_alive
 
 WORLD = 4
 BUDGET_S = 60  # the promise: every process gone within this many seconds of the failure

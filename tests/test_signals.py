@@ -23,7 +23,7 @@ from launch import SCRIPT, clean_env, start_lightning
 from procenv import free_port
 
 import lightning_bfpp.checkpoint as ckpt
-from lightning_bfpp.job.watchdog import pid_alive
+from lightning_bfpp.job.liveness import pid_alive
 
 WORLD = 2
 BATCH = 16

@@ -25,7 +25,7 @@ def test_progress_is_published_by_the_watching_thread_not_the_caller():
         watchdog.progress(7)
         watchdog._store = store
         assert writes == []
-        key = watchdog._key("step", 0)
+        key = watchdog.posts.key("step", 0)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not (watchdog._store.check([key]) and watchdog._store.get(key) == b"7"):
             time.sleep(0.02)
@@ -38,7 +38,7 @@ def test_progress_is_published_by_the_watching_thread_not_the_caller():
 def test_ranks_saying_why_at_once_never_share_a_line():
     """Four ranks print why the job stops into one pipe at the same moment (a CI run once read
     `[rank 0] ... SIGINT[rank 1] ... SIGINT`, and the test missed rank 1): every message is one whole line."""
-    code = ("import sys; from lightning_bfpp.job.watchdog import say_stop\n"
+    code = ("import sys; from lightning_bfpp.job.ending import say_stop\n"
             "for _ in range(3000): say_stop(int(sys.argv[1]), 'rank 0 got SIGINT')\n")
     read, write = os.pipe()  # unbuffered (as the tests launch jobs, and many clusters do), print() writes text and newline apart
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -1,17 +1,22 @@
 """Checkpoints: sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names, so one
-written with any (pp, loops, dp, tp) loads into any other layout (``sharded``); atomic saves with a checksum
-manifest (``manifest``); loading that never runs code from the files (``safety``); export to one plain file
-(``export``, ``python -m lightning_bfpp.checkpoint``).
+written with any (pp, loops, dp, tp) loads into any other layout: ``saving`` writes them (atomic, also in the
+``background``), ``loading`` reads them (and plain files) and checks a path before launch, ``model_check`` compares a
+checkpoint's names and shapes with the model's, ``state`` is the per-rank optimizer and RNG state, ``plain`` torch's
+optimizer state by position; a checksum manifest (``manifest``); loading that never runs code from the files
+(``safety``); export to one plain file (``export``, ``python -m lightning_bfpp.checkpoint``).
 
 May import: ``_private``.
 """
 
 from .background import BackgroundSaves
 from .export import export, main
+from .loading import check_path, is_sharded, load, read_meta
 from .manifest import MANIFEST, META_FILE
 from .plain import optimizer_groups
 from .safety import TRUST_ENV, CheckpointError, UnsafeCheckpointError
-from .sharded import check_path, is_sharded, load, optimizer_state, read_meta, save
+from .saving import save
+from .state import optimizer_state
 
-__all__ = ["BackgroundSaves", "CheckpointError", "UnsafeCheckpointError", "TRUST_ENV", "MANIFEST", "META_FILE", "check_path", "export",
-           "is_sharded", "load", "main", "optimizer_groups", "optimizer_state", "read_meta", "save"]
+__all__ = ["BackgroundSaves", "CheckpointError", "UnsafeCheckpointError", "TRUST_ENV", "MANIFEST", "META_FILE",
+           "check_path", "export", "is_sharded", "load", "main", "optimizer_groups", "optimizer_state", "read_meta",
+           "save"]

@@ -1,6 +1,6 @@
 """Saves written while training goes on (strategy async_save=True). torch.distributed.checkpoint's async_save
 copies the state to CPU memory in the calling thread, then writes the shards from a thread of its own; a thread
-here then finishes the folder (meta.pt, manifest, rename: ``sharded._finish``). Both threads' collectives run on a
+here then finishes the folder (meta.pt, manifest, rename: ``saving._finish``). Both threads' collectives run on a
 process group of their own (gloo), so they never interleave with training's. One save at a time: the next save,
 and the end of training, wait for the one under way."""
 from __future__ import annotations

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .loading import dcp_load
 from .manifest import check_folder, newest_note, verify_checksums
 from .plain import plain_state
 from .safety import TRUST_ENV, CheckpointError, trusted
-from .sharded import dcp_load
 
 
 def export(checkpoint_dir: Path, out: Path, trust: bool = False, full: bool = False) -> dict[str, torch.Tensor]:

@@ -11,9 +11,11 @@ from datetime import timedelta
 
 from .._private.lightning_api import process_group_timeout_at_least
 from .._private.torch_api import set_default_group_timeout
+from .ending import FAILED, say_stop
 from .launcher import CheckingLauncher, launcher_watched, requeue_slurm_job, slurm_requeue_signal
 from .preempt import Preempted, default_grace_s
-from .watchdog import FAILED, STOP_SIGNALS, Watchdog, say_stop
+from .signals import STOP_SIGNALS
+from .watchdog import Watchdog
 
 STARTUP_TIMEOUT = timedelta(minutes=5)  # the least the rendezvous waits for every process to start
 CHILDREN_WAIT_S = 15.0  # after a save on a signal, the launching process waits this long for its children to end

@@ -19,7 +19,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvir
 from typing_extensions import override
 
 from .._private.lightning_api import SubprocessScriptLauncher, set_num_threads_if_needed
-from .watchdog import FAILED, say_stop
+from .ending import FAILED, say_stop
 
 LAUNCHER_PID = "BFPP_LAUNCHER_PID"  # set by the launching process for the child ranks it starts
 _LAUNCHED_BY = os.environ.pop(LAUNCHER_PID, "")  # in such a child: its launcher's pid (read once, not passed on)

@@ -1,13 +1,15 @@
 """Failure handling across ranks. One daemon thread per rank notices a peer that reported a
 failure, died (killed, out of memory) or got a stop signal (SIGTERM, SIGINT, SLURM's requeue signal) and
 takes this rank down with a message naming that peer and, for signals, the signal. Every rank ends with the
-job's exit code, so no rank waits in a collective until the timeout and no process is left behind."""
+job's exit code, so no rank waits in a collective until the timeout and no process is left behind.
+
+The watch loop and its agreements live here; what the ranks post to the job's store is ``posts``, how a signal
+reaches the watching thread ``signals``, whether a local peer is alive ``liveness``, the exit codes and the line
+that says why ``ending``."""
 from __future__ import annotations
 
 import os
-import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -16,69 +18,15 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from .._private.torch_api import default_store
-
-FAILED = 1  # exit code of every rank when a rank failed (raised, died, lost the store, timed out)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def signal_code(signum: int) -> int:
-    """Exit code of every rank when a rank got `signum`: the shell's 128 + N (SIGTERM 143, SIGINT 130)."""
-    return 128 + int(signum)
-
-
-def say_stop(rank: int, reason: str) -> str:
-    """Print why the job stops as one line (see ``_say``)."""
-    return _say(rank, f"the job stops because {reason}")
-
-
-def _say(rank: int, text: str) -> str:
-    """Print `[rank R] bfpp: <text>` as one write of one line, so ranks sharing a terminal or pipe never interleave."""
-    message = f"[rank {rank}] bfpp: {text}"
-    sys.stderr.flush()
-    try:
-        os.write(sys.stderr.fileno(), (message + "\n").encode())  # one write under PIPE_BUF is atomic
-    except (AttributeError, OSError, ValueError):  # a stream without a file descriptor (e.g. a notebook's)
-        print(message, file=sys.stderr, flush=True)
-    return message
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a local process exists and is not a zombie (a killed child its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+from .ending import FAILED, say, say_stop, signal_code
+from .liveness import dead_peer
+from .posts import Posts
+from .signals import STOP_SIGNALS, SignalPipe
 
 
 def _is_communication_error(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "Connection", "connection"))
-
-
-class _Relay:
-    """This process's handler for a stop signal while a watchdog runs. It does nothing in the main thread (which
-    may be anywhere in a pipeline step): the signal reaches the watchdog thread through the wakeup fd, even when
-    the main thread is blocked in a collective. Without a running watchdog it behaves like the handler it replaced."""
-
-    def __init__(self, watchdog: Watchdog, previous) -> None:
-        self.watchdog = watchdog
-        self.previous = previous.previous if isinstance(previous, _Relay) else previous
-
-    def __call__(self, signum: int, frame) -> None:
-        if self.watchdog.watching:
-            return
-        if callable(self.previous):
-            self.previous(signum, frame)
-        elif self.previous != signal.SIG_IGN:  # the default action (terminate)
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
 
 class Watchdog:
@@ -121,13 +69,9 @@ class Watchdog:
         self._save_request: tuple[int, int, int] | None = None  # (signal, rank that got it, step to save at)
         self.signalled_rank: int | None = None  # the rank whose signal asked for the save (``save_requested``)
         self.code: int | None = None  # the job's exit code once a stop is known
-        self._wakeup: tuple[int, int] | None = None  # (read fd, write fd) of the signal pipe
-        self._old_wakeup = -1
-        self._old_handlers: dict[int, object] = {}
+        self._signal_pipe: SignalPipe | None = None  # this process's signals, handed to the watching thread
         self._store = default_store()
-        # one key space per run (fit, validate, ...) of this job's store: every rank counts its own starts, and
-        # every rank starts the same runs; a new store (a new job, e.g. the next one of a Hydra sweep) counts anew
-        self.prefix = f"bfpp/watchdog/{self._store.add(f'bfpp/watchdog/starts/{rank}', 1)}"
+        self.posts = Posts(self._store, rank)  # one key space per run (fit, validate, ...) of this job's store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._peers: dict[int, int] = {}  # rank -> pid, for peers on this host
@@ -137,22 +81,11 @@ class Watchdog:
     # ---- lifecycle (main thread) ---------------------------------------------------------------------
     def start(self) -> None:
         """Publish this process, learn which peers share this host (waits for every rank), start watching."""
-        keys = [self._key("proc", r) for r in range(self.world_size)]
-        host = socket.gethostname()
-        self._store.set(keys[self.rank], f"{host} {os.getpid()}")
-        self._store.wait(keys)
-        for r, value in enumerate(self._store.multi_get(keys)):
-            peer_host, pid = value.decode().rsplit(" ", 1)
-            if r != self.rank and peer_host == host:
-                self._peers[r] = int(pid)
+        self._peers = self.posts.local_peers(self._store, self.rank, self.world_size)
         if threading.current_thread() is threading.main_thread():
-            self._wakeup = os.pipe()
-            for fd in self._wakeup:
-                os.set_blocking(fd, False)
-            self._old_wakeup = signal.set_wakeup_fd(self._wakeup[1], warn_on_full_buffer=False)
-            self._old_handlers = {s: signal.getsignal(s) for s in self.signals}
-            self.claim_signals()
-        self._thread = threading.Thread(target=self._watch, args=(self._store.clone(),), daemon=True, name="bfpp-watchdog")
+            self._signal_pipe = SignalPipe(self.signals, lambda: self.watching)
+        self._thread = threading.Thread(target=self._watch, args=(self._store.clone(),), daemon=True,
+                                        name="bfpp-watchdog")
         self._thread.start()
 
     @property
@@ -162,24 +95,17 @@ class Watchdog:
     def claim_signals(self) -> None:
         """(Re)install this watchdog's handlers for its signals, e.g. after Lightning installed its own SIGTERM
         handler (which broadcasts from inside the handler, so ranks meet in collectives that never match)."""
-        if self._wakeup is None or threading.current_thread() is not threading.main_thread():
-            return
-        for s in self.signals:
-            current = signal.getsignal(s)
-            if not (isinstance(current, _Relay) and current.watchdog is self):
-                signal.signal(s, _Relay(self, current))
+        if self._signal_pipe is not None:
+            self._signal_pipe.claim()
 
     def stop(self, finished: bool) -> None:
         """Stop watching; `finished` marks a normal end, so peers do not take this rank's exit for a crash."""
         self._stop.set()
-        if self._wakeup is not None and threading.current_thread() is threading.main_thread():
-            for s, handler in self._old_handlers.items():
-                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-            signal.set_wakeup_fd(self._old_wakeup)
-            os.close(self._wakeup[1])  # the read end is closed by the watching thread
+        if self._signal_pipe is not None:
+            self._signal_pipe.restore()
         if finished:
             try:
-                self._store.set(self._key("done", self.rank), "1")
+                self.posts.set_finished(self._store, self.rank)
             except Exception:  # the store's host may already be gone at the very end; nothing waits on this
                 pass
         self._join()
@@ -193,8 +119,8 @@ class Watchdog:
             return
         thread.join(timeout=self.interval + self.grace)
         if thread.is_alive():
-            _say(self.rank, f"the watchdog thread did not stop within {self.interval + self.grace:.0f} s (a store "
-                            "call still running); the process may abort at exit")
+            say(self.rank, f"the watchdog thread did not stop within {self.interval + self.grace:.0f} s (a store "
+                           "call still running); the process may abort at exit")
 
     def report(self, error: BaseException) -> str:
         """Say (and post, unless a peer failed first) why the job stops; returns that message. A communication
@@ -212,9 +138,10 @@ class Watchdog:
                 self._publish_step(self._store)  # this rank's own step is current before comparing
             except Exception:
                 pass
-        code, culprit = posted or (FAILED, culprit or f"rank {self.rank} failed: {type(error).__name__}: {summary}{self._laggards()}")
+        code, culprit = posted or (FAILED, culprit or f"rank {self.rank} failed: {type(error).__name__}: {summary}"
+                                                      f"{self._laggards()}")
         try:
-            code, culprit = self._post(self._store, code, culprit)
+            code, culprit = self.posts.post_stop(self._store, code, culprit)
         except Exception:  # the store's host is gone: say what this rank knows
             pass
         self.code = code
@@ -233,11 +160,12 @@ class Watchdog:
         if self.save_grace_s is None:
             return None
         try:
-            if not self._store.check([self._key("save")]):
-                return None
-            signum, rank, target = _decode_save(self._store.get(self._key("save")))
+            request = self.posts.posted_save(self._store)
         except Exception:  # the store is gone: the watching thread ends this rank
             return None
+        if request is None:
+            return None
+        signum, rank, target = request
         if step < target:
             return None
         self.code, self.signalled_rank = signal_code(signum), rank
@@ -246,17 +174,16 @@ class Watchdog:
     def _publish_step(self, store) -> None:
         step = self._step
         if step is not None and step != self._published_step:
-            store.set(self._key("step", self.rank), str(step))
+            self.posts.set_step(store, self.rank, step)
             self._published_step = step
 
     def _laggards(self) -> str:
         """'; rank 3 did not reach step N ...' when some ranks are behind the step the others are in."""
         try:
-            keys = [self._key("step", r) for r in range(self.world_size)]
-            if not self._store.check(keys):
-                return ""
-            steps = [int(v) for v in self._store.multi_get(keys)]
+            steps = self.posts.steps(self._store, self.world_size)
         except Exception:
+            return ""
+        if steps is None:
             return ""
         behind = [r for r, step in enumerate(steps) if step < max(steps)]
         if not behind:
@@ -267,22 +194,17 @@ class Watchdog:
 
     def _posted(self) -> tuple[int, str] | None:
         try:
-            if self._store.check([self._key("failed")]):
-                return _decode(self._store.get(self._key("failed")))
+            return self.posts.posted_stop(self._store)
         except Exception:
-            pass
-        return None
+            return None
 
     # ---- the watching thread -------------------------------------------------------------------------
-    def _key(self, kind: str, rank: int | None = None) -> str:
-        return f"{self.prefix}/{kind}" if rank is None else f"{self.prefix}/{kind}/{rank}"
-
     def _watch(self, store) -> None:
         try:
             self._watch_until_stop(store)
         finally:
-            if self._wakeup is not None:
-                os.close(self._wakeup[0])
+            if self._signal_pipe is not None:
+                self._signal_pipe.close_read()
 
     def _watch_until_stop(self, store) -> None:
         while True:
@@ -295,7 +217,7 @@ class Watchdog:
                     continue
                 code, reason = signal_code(signum), f"rank {self.rank} got {signal.Signals(signum).name}"
                 try:
-                    code, reason = self._post(store, code, reason)
+                    code, reason = self.posts.post_stop(store, code, reason)
                 except Exception:  # the store's host is gone: say what this rank knows
                     pass
                 self._exit(code, reason)
@@ -303,10 +225,11 @@ class Watchdog:
             try:
                 self._publish_step(store)
                 self._save_under_way(store)
-                if store.check([self._key("failed")]):
-                    code, posted = _decode(store.get(self._key("failed")))
-                    if code != FAILED or not posted.startswith(f"rank {self.rank} "):
-                        self._exit(code, posted)
+                posted = self.posts.posted_stop(store)
+                if posted is not None:
+                    code, reason = posted
+                    if code != FAILED or not reason.startswith(f"rank {self.rank} "):
+                        self._exit(code, reason)
                         return
                 dead = self._dead_peer(store)
             except Exception:
@@ -316,7 +239,7 @@ class Watchdog:
             if dead is not None:
                 code = FAILED
                 try:
-                    code, dead = self._post(store, code, dead)
+                    code, dead = self.posts.post_stop(store, code, dead)
                 except Exception:
                     pass
                 self._exit(code, dead)
@@ -328,8 +251,7 @@ class Watchdog:
         if self.save_grace_s is None or self._step is None:
             return False
         try:
-            posted = store.compare_set(self._key("save"), "", f"{signum} {self.rank} {self._step + 2}")
-            self._save_under_way(store, _decode_save(posted))
+            self._save_under_way(store, self.posts.post_save(store, signum, self.rank, self._step + 2))
         except Exception:  # the store's host is gone
             return False
         return True
@@ -340,60 +262,46 @@ class Watchdog:
             return
         if self._save_deadline is None:
             if request is None:
-                if not store.check([self._key("save")]):
+                request = self.posts.posted_save(store)
+                if request is None:
                     return
-                request = _decode_save(store.get(self._key("save")))
             signum, rank, target = request
             grace = self.save_grace_s(signum)
             self._save_deadline = time.monotonic() + grace
             self._save_request = request
-            _say(self.rank, f"rank {rank} got {signal.Signals(signum).name}: every rank saves a checkpoint at step "
-                            f"{target}, then the job stops (within {grace:.0f} s, or without it; a second signal "
-                            "stops it at once)")
+            say(self.rank, f"rank {rank} got {signal.Signals(signum).name}: every rank saves a checkpoint at step "
+                           f"{target}, then the job stops (within {grace:.0f} s, or without it; a second signal "
+                           "stops it at once)")
         elif time.monotonic() > self._save_deadline:
             signum, rank, target = self._save_request
             code, reason = signal_code(signum), (f"rank {rank} got {signal.Signals(signum).name}; the checkpoint of "
                                                  f"step {target} was not saved within the grace time (the newest "
                                                  "complete checkpoint is intact)")
             try:
-                code, reason = self._post(store, code, reason)
+                code, reason = self.posts.post_stop(store, code, reason)
             except Exception:
                 pass
             self._exit(code, reason)
 
     def _wait_for_signal(self, timeout: float) -> int | None:
         """One of this watchdog's signals if it arrives within `timeout` seconds (else None)."""
-        if self._wakeup is None:
+        if self._signal_pipe is None:
             self._stop.wait(timeout)
             return None
-        try:
-            if select.select([self._wakeup[0]], [], [], timeout)[0]:
-                for signum in os.read(self._wakeup[0], 512):
-                    if signum in self.signals:
-                        return signum
-        except (OSError, ValueError):  # the pipe was closed by stop()
-            pass
-        return None
-
-    def _post(self, store, code: int, reason: str) -> tuple[int, str]:
-        """Post `reason` (and the job's exit `code`) as why the job stops unless one is posted already;
-        returns the first one."""
-        return _decode(store.compare_set(self._key("failed"), "", f"{code} {reason[:1000]}"))
+        return self._signal_pipe.wait(timeout)
 
     def _dead_peer(self, store, store_errors: bool = True) -> str | None:
         """A local peer whose process is gone without having finished; an unreachable store (its host died
         too) raises, or with `store_errors=False` counts as not finished."""
-        for r, pid in self._peers.items():
-            if pid_alive(pid):
-                continue
+        def finished(rank: int) -> bool:
             try:
-                if store.check([self._key("done", r)]):
-                    continue
+                return self.posts.finished(store, rank)
             except Exception:
                 if store_errors:
                     raise
-            return f"rank {r} (pid {pid}) died without reporting an error: it was killed (e.g. SIGKILL, out of memory) or crashed"
-        return None
+                return False
+
+        return dead_peer(self._peers, finished)
 
     def _exit(self, code: int, reason: str, wait: float | None = None) -> None:
         """Say why, then exit with `code`. After a failure the main thread gets `wait` (default `grace`) seconds to
@@ -413,15 +321,3 @@ class Watchdog:
             self.on_signal_stop(code - 128)
         sys.stdout.flush()
         os._exit(code)
-
-
-def _decode_save(value: bytes) -> tuple[int, int, int]:
-    """(signal, rank that got it, step to save at) of a posted save: "<signal> <rank> <step>"."""
-    signum, rank, step = map(int, value.decode().split())
-    return signum, rank, step
-
-
-def _decode(value: bytes) -> tuple[int, str]:
-    """(exit code, reason) of a posted stop: "<code> <reason>"."""
-    code, reason = value.decode().split(" ", 1)
-    return int(code), reason

@@ -1,12 +1,8 @@
-"""Sharded checkpoints keyed by the model's global parameter names, so a checkpoint written with
-one (pp, loops, dp) loads into any other layout; atomic saves with a checksum manifest; loading that never
-runs code from the files (see .safety) and checks the checkpoint against the model."""
+"""Loading a checkpoint into the local stages of any layout: a sharded folder (checked, checksums verified, read
+without running code) or a plain full file; and the checks that run before any process starts."""
 from __future__ import annotations
 
-import io
 import os
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,117 +10,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
 from . import plain
-from .background import BackgroundSaves
-from .manifest import (
-    META_FILE,
-    check_folder,
-    hash_files,
-    newest_note,
-    remove_stale_tmp,
-    verify_checksums,
-    write_manifest,
-)
-from .safety import TRUST_ENV, CheckpointError, SafePlanner, SafeReader, load_file, trusted
+from .manifest import META_FILE, check_folder, newest_note, verify_checksums
+from .model_check import check_model, saved_shapes, tensor_shapes
+from .safety import CheckpointError, SafePlanner, SafeReader, load_file, trusted
+from .state import MODEL_OPTIONS, OPTIM_OPTIONS, optimizer_state, rng_state
 
-# Optimizer state flattened to per-parameter keys ("state.blocks.3.fc.weight.exp_avg", "param_groups.
-# blocks.3.fc.weight.lr"): every rank saves and loads exactly its parameters' entries, whatever the layout.
-OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-MODEL_OPTIONS = StateDictOptions()
 LIGHTNING_PATHS = ("last", "best", "hpc")  # resolved by Lightning itself, after launch
 SCHEDULER_SETTINGS = {"initial_lr"}  # what torch's LR schedulers add to param groups: kept quietly when not saved
-Shapes = dict[str, "tuple[int, ...] | None"]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    state = {f"rank{_rank()}.torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state[f"rank{_rank()}.cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)
-
-
-# ---- save ------------------------------------------------------------------------------------
-def save(path: Path, state: dict[str, Any], meta: dict[str, Any], background: BackgroundSaves | None = None) -> None:
-    """Write `state` (tensors, sharded or not) with torch.distributed.checkpoint on all ranks, plus rank 0's
-    `meta` and a manifest of every file's size and sha256 (hashing split over the ranks). The folder appears
-    under `path` only once complete: an interrupted save leaves a hidden `.tmp-*` folder that is never taken
-    for a checkpoint, and is removed by a later successful save in the same directory. With `background`, the
-    state is copied to CPU memory here and everything else happens in a background thread (``background``)."""
-    path = Path(path)
-    token = [uuid.uuid4().hex if _rank() == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
-    # no "ckpt_" in a hidden name: Lightning reads the version of every name holding "hpc_ckpt_" / "ckpt_" in
-    # default_root_dir (hpc_ckpt_<N>.ckpt) from all its digits, the token's too
-    hidden = f".{path.name.replace('_', '-')}.tmp-{token[0][:8]}"
-    tmp = path.parent / hidden
-    meta_bytes = io.BytesIO()
-    torch.save(meta, meta_bytes)  # as it is now (a background save writes it later)
-    state = {**state, "rng": rng_state()}
-    if background is None:
-        dcp.save(state, checkpoint_id=tmp)
-        _finish(path, tmp, meta_bytes.getvalue(), meta.get("global_step"), None)
-    else:
-        background.start(lambda group: dcp.async_save(state, checkpoint_id=tmp, process_group=group),
-                         lambda group: _finish(path, tmp, meta_bytes.getvalue(), meta.get("global_step"), group))
-
-
-def _finish(path: Path, tmp: Path, meta: bytes, global_step: int | None, group: dist.ProcessGroup | None) -> None:
-    """After the shards are written: rank 0's meta.pt, the manifest (hashing split over the ranks of `group`), then
-    the folder takes its name."""
-    names: list[Any] = [None]
-    if _rank() == 0:
-        (tmp / META_FILE).write_bytes(meta)
-        _warn_unsafe_meta(tmp / META_FILE)
-        names = [sorted(p.name for p in tmp.iterdir() if p.is_file())]
-    if dist.is_initialized():
-        dist.broadcast_object_list(names, src=0, group=group)
-    files = hash_files(tmp, names[0], group)
-    if _rank() == 0:
-        write_manifest(tmp, files, global_step)
-        # the old checkpoint steps aside (a rename) before the new one takes its name, and is deleted only then:
-        # a kill at any moment leaves a complete checkpoint, never a half-deleted one
-        old = tmp.with_name(f"{tmp.name}-replaced")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        if old.is_dir():
-            shutil.rmtree(old)
-        elif old.exists():
-            old.unlink()
-        for stale in remove_stale_tmp(path.parent):
-            rank_zero_info(f"removed {stale}: an interrupted save's partial checkpoint")
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
-def _warn_unsafe_meta(file: Path) -> None:
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-    if unsafe:
-        rank_zero_warn(f"{file.parent.name}/{META_FILE} holds types {unsafe[:5]} (hyper-parameters or callback state) "
-                       "that loading refuses by default (they could run code); register them with "
-                       "torch.serialization.add_safe_globals([...]) before resuming, or resume with "
-                       f"BFPPStrategy(trust_checkpoints=True) / {TRUST_ENV}=1.")
 
 
 def is_sharded(path: Path) -> bool:
@@ -141,7 +44,6 @@ def read_meta(path: str | os.PathLike, trust: bool = False) -> dict[str, Any]:
     return meta
 
 
-# ---- checks ----------------------------------------------------------------------------------
 def check_path(ckpt_path: str | os.PathLike | None, trust: bool = False) -> None:
     """Fail before any process starts when `ckpt_path` is not a loadable checkpoint: missing, not a checkpoint,
     incomplete (files missing or shorter than recorded), or holding anything but plain data and tensors.
@@ -157,71 +59,6 @@ def check_path(ckpt_path: str | os.PathLike | None, trust: bool = False) -> None
         raise CheckpointError(f"ckpt_path={str(ckpt_path)!r} does not exist.{newest_note(path)}")
 
 
-def _saved_shapes(metadata: Metadata) -> Shapes:
-    prefix = "state_dict."
-    return {k[len(prefix):]: tuple(v.size) if isinstance(v, TensorStorageMetadata) else None
-            for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-
-
-def _shapes(state: dict[str, Any]) -> Shapes:
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
-
-
-def _model_shapes(local: dict[str, Any]) -> Shapes:
-    """Names and global shapes of the whole model: every rank's local stages together (collective)."""
-    shapes = _shapes(local)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return shapes
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, shapes)
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def _differences(saved: Shapes, model: Shapes, aliases: dict[str, list[str]]) -> tuple[list, list, list]:
-    """(missing in the checkpoint, not in the model, [(name, saved shape, model shape)]); a tied weight matches
-    under any of its names."""
-    def present(name: str, pool: Shapes) -> bool:
-        return name in pool or any(a in pool for a in aliases.get(name, ()))
-
-    missing = [n for n in model if not present(n, saved)]
-    unexpected = [n for n in saved if not present(n, model)]
-    mismatched = [(n, saved[n], model[n]) for n in model if n in saved and saved[n] != model[n]]
-    return missing, unexpected, mismatched
-
-
-def _few(names: list, n: int = 3) -> str:
-    return ", ".join(map(str, names[:n])) + (f" (+{len(names) - n} more)" if len(names) > n else "")
-
-
-def _describe(source: Path, missing: list, unexpected: list, mismatched: list) -> str:
-    parts = []
-    if missing:
-        parts.append(f"missing in the checkpoint: {_few(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not in this model: {_few(unexpected)}")
-    if mismatched:
-        parts.append("different shapes: " + _few([f"{n} {a} in the checkpoint vs {b} here" for n, a, b in mismatched]))
-    return (f"{source} was saved from a different model: " + "; ".join(parts) + ". Use the model settings it was "
-            "saved with, or set `strict_loading = False` on the LightningModule to load only the weights whose names "
-            "and shapes match (the optimizer state is then not restored).")
-
-
-def _check_model(source: Path, saved: Shapes, local: dict[str, Any], strict: bool,
-                 aliases: dict[str, list[str]]) -> set[str] | None:
-    """None when the checkpoint and the model match; otherwise (strict=False) the local names to load."""
-    missing, unexpected, mismatched = _differences(saved, _model_shapes(local), aliases)
-    if not (missing or unexpected or mismatched):
-        return None
-    message = _describe(source, missing, unexpected, mismatched)
-    if strict:
-        raise CheckpointError(message)
-    rank_zero_warn(f"strict_loading=False: {message.split('. Use the model settings')[0]}; loading the "
-                   f"matching weights only, without optimizer state.")
-    local_shapes = _shapes(local)
-    return {k for k in local if k in saved and saved[k] == local_shapes[k]}
-
-
-# ---- load ------------------------------------------------------------------------------------
 def dcp_load(state: dict[str, Any], path: Path, trust: bool) -> None:
     """dcp.load through the safe reader and planner; a failure on any rank is raised on every rank by name."""
     try:
@@ -264,7 +101,7 @@ def load(
     verify_checksums(path, manifest)
     saved = set(metadata.state_dict_metadata)
     local = get_model_state_dict(module, options=MODEL_OPTIONS)
-    partial = _check_model(path, _saved_shapes(metadata), local, strict, aliases)
+    partial = check_model(path, saved_shapes(metadata), local, strict, aliases)
     model_state = {"state_dict": local if partial is None else {k: v for k, v in local.items() if k in partial}}
     dcp_load(model_state, path, trust)
     set_model_state_dict(module, model_state["state_dict"], options=StateDictOptions(strict=strict and partial is None))
@@ -281,8 +118,8 @@ def load(
         loaded = {back.get(k, k): v for k, v in request[f"optimizer_{i}"].items()} | kept
         settings = sorted({k.rsplit(".", 1)[-1] for k in kept} - SCHEDULER_SETTINGS)
         if settings:
-            rank_zero_warn(f"{path}: optimizer_{i}'s param groups have {', '.join(settings)}, which the checkpoint does "
-                           "not: their current values are kept.")
+            rank_zero_warn(f"{path}: optimizer_{i}'s param groups have {', '.join(settings)}, which the checkpoint "
+                           "does not: their current values are kept.")
         set_optimizer_state_dict(module, opt, loaded, options=OPTIM_OPTIONS)
     _restore_rng(path, saved, trust)
     return meta
@@ -326,7 +163,8 @@ def _read_full_file(path: Path, trust: bool) -> dict[str, Any]:
 
 
 def _load_full_file(path: Path, module: nn.Module, strict: bool, aliases: dict[str, list[str]],
-                    optimizers: list[torch.optim.Optimizer], trust: bool, param_order: list[str] | None) -> dict[str, Any]:
+                    optimizers: list[torch.optim.Optimizer], trust: bool,
+                    param_order: list[str] | None) -> dict[str, Any]:
     """A plain Lightning checkpoint (single device, DDP, strategy="auto"; or `export --full`) or an exported file:
     full tensors by global name.
 
@@ -336,13 +174,15 @@ def _load_full_file(path: Path, module: nn.Module, strict: bool, aliases: dict[s
     checkpoint = _read_full_file(path, trust)
     if optimizers and "lr_schedulers" not in checkpoint:
         rank_zero_warn(f"{path} holds weights only (an export): training starts from these weights at step 0 with a "
-                       "fresh optimizer and LR schedule; resume from a bfpp checkpoint folder to continue a run exactly.")
+                       "fresh optimizer and LR schedule; resume from a bfpp checkpoint folder to continue a run "
+                       "exactly.")
     checkpoint.setdefault("lr_schedulers", [])
     full = checkpoint.get("state_dict", checkpoint)
     local = get_model_state_dict(module)
-    partial = _check_model(path, _shapes(full), local, strict, aliases)
+    partial = check_model(path, tensor_shapes(full), local, strict, aliases)
     names = [k for k in local if k in full] if partial is None else sorted(partial)
-    set_model_state_dict(module, {k: full[k] for k in names}, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(module, {k: full[k] for k in names},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
     saved = checkpoint.get("optimizer_states") or []
     if optimizers and saved and partial is None:
         if len(saved) != len(optimizers) or param_order is None:

@@ -38,10 +38,10 @@ from .job.launcher import CheckingLauncher
 from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import skip_consumed_batches
 from .layout.auto import AutoLayout
+from .layout.cut import plan_stages
 from .layout.layer_cost import auto_stage_layers
 from .layout.materialize import has_meta_tensors, init_hook, materialize
 from .layout.mesh import DP, PP, build_mesh, forget_groups
-from .layout.partition import plan_stages
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import grads_like_params, layer_plans, resolve_sequence_parallel

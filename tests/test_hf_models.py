@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
 from lightning_bfpp.hf import CausalLM, TypedDecoderLayer  # noqa: E402
-from lightning_bfpp.layout.partition import plan_stages  # noqa: E402
+from lightning_bfpp.layout.cut import plan_stages  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,

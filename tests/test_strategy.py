@@ -14,8 +14,10 @@ from torch import nn
 
 import lightning_bfpp
 from lightning_bfpp import BFPPStrategy, ScheduleError
-from lightning_bfpp.layout.partition import RemoteLayer, balanced_stage_layers, plan_stages, split_stages
+from lightning_bfpp.layout.cut import plan_stages, split_stages
+from lightning_bfpp.layout.remote import RemoteLayer
 from lightning_bfpp.runtime.measure import measure_now
+from lightning_bfpp.schedule.stage_cut import balanced_stage_layers
 
 
 def test_string_name_registers_the_strategy():
@@ -276,7 +278,7 @@ def test_what_bfpp_runs_differently_is_named():
 def test_a_layer_of_another_rank_names_itself_when_its_attributes_are_used():
     """configure_optimizers writing param groups from layer attributes (self.inp.weight) runs on every rank: on a
     rank where the layer is a placeholder the error says where it lives and what to use instead."""
-    from lightning_bfpp.layout.partition import RemoteLayer
+    from lightning_bfpp.layout.remote import RemoteLayer
 
     layer = RemoteLayer("inp", stage=0, rank=0)
     with pytest.raises(AttributeError, match=r"layer inp \(stage 0, pipeline rank 0\) lives on another pipeline rank: "

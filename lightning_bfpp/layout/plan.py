@@ -12,7 +12,7 @@ from torch import nn
 from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
-from .partition import check_stage_layers
+from .cut import check_stage_layers
 
 BATCH_NAMES = Names(batch="global_batch_size")
 

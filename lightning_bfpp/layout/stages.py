@@ -11,9 +11,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedule.dims import ParallelDims
+from .cut import split_stages
 from .fsdp import shard_stage, stage_mixed_precision
 from .mesh import DP, PP, TP
-from .partition import StageModule, named_parts, split_stages
+from .names import named_parts
+from .stage_module import StageModule
 from .tensor_parallel import apply_plans
 from .tied import TiedWeights, find_shared_weights
 

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._private.pipelining import build_runtime
 from ..contract.layer_io import BOUNDARY_RULE
 from ..layout.mesh import DP, PP
-from ..layout.partition import input_kwargs
+from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
 from ..schedule.dims import Names, micro_batch_size

@@ -189,7 +189,7 @@ def test_a_decoder_layer_issues_the_collectives_the_simulator_counts(sequence_pa
     a reduce-scatter for each, as the simulator counts."""
     from test_tensor_parallel import BLOCK_COLLECTIVES, collectives
 
-    from lightning_bfpp.hf.causal_lm import causal_lm_side_inputs
+    from lightning_bfpp.hf.side_inputs import causal_lm_side_inputs
 
     model = build("llama", num_key_value_heads=2)
     lm, layer = CausalLM(model), model.model.layers[0]

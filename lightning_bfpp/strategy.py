@@ -32,7 +32,8 @@ from .adapter.nonfinite import NonfiniteLoss
 from .adapter.precision import pipeline_precision
 from .adapter.same_batch import check_same_batch
 from .adapter.steps import run_on_last_stage, user_step
-from .contract.hooks import built_in_configure_model, check_callbacks, check_module, contract_notes, training_batch
+from .contract.hooks import built_in_configure_model, check_callbacks, check_module, training_batch
+from .contract.source_notes import contract_notes
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
 from .job.preempt import SaveOnSignal, check_on_signal

@@ -224,7 +224,7 @@ def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwar
 
 def test_rank_zero_only_work_in_last_stage_steps_is_named():
     """validation_step & co. run only on the last stage's ranks: rank-zero-only work there would run nowhere."""
-    from lightning_bfpp.contract.hooks import rank_zero_work_on_last_stage
+    from lightning_bfpp.contract.source_notes import rank_zero_work_on_last_stage
 
     class Printing(StackNet):
         def validation_step(self, batch, batch_idx):
@@ -245,7 +245,7 @@ def test_rank_zero_only_work_in_last_stage_steps_is_named():
 def test_a_forward_that_is_not_the_pipeline_is_named():
     """bfpp never calls forward (training and self(x) are the pipeline layers in order): a forward that is not
     written with pipeline_forward/pipeline_layers gets a warning, the contract's own does not."""
-    from lightning_bfpp.contract.hooks import forward_not_the_pipeline
+    from lightning_bfpp.contract.source_notes import forward_not_the_pipeline
 
     class Scaled(StackNet):
         def forward(self, x):
@@ -258,7 +258,7 @@ def test_a_forward_that_is_not_the_pipeline_is_named():
 
 def test_what_bfpp_runs_differently_is_named():
     """A user's own backward is never called, and batch normalization sees micro-batches: both get a warning."""
-    from lightning_bfpp.contract.hooks import not_run_as_written
+    from lightning_bfpp.contract.source_notes import not_run_as_written
 
     class Normed(StackNet):
         def __init__(self):
@@ -302,7 +302,7 @@ def test_default_pipeline_inputs_take_pairs_one_tuples_and_bare_inputs():
 def test_training_step_logs_that_will_not_run_are_named():
     """training_step does not run under bfpp: what it logs (other than train_loss, or what
     pipeline_train_metrics logs too) is named in a warning instead of vanishing."""
-    from lightning_bfpp.contract.hooks import not_run_as_written
+    from lightning_bfpp.contract.source_notes import not_run_as_written
 
     class Logs(StackNet):
         def training_step(self, batch, batch_idx):

@@ -18,7 +18,7 @@ def model_layers(model: str) -> list[int]:
 
 def run(out: Path, *, model: str, batch: int, steps: int, pp: int = 2, dp: int = 2, loops: int = 2,
         micro_batches: int = 4, schedule: str = "breadth_first") -> dict:
-    from lightning_bfpp.layout.partition import balanced_stage_layers
+    from lightning_bfpp.schedule.stage_cut import balanced_stage_layers
 
     job = {"kind": "bfpp", "model": model, "batch": batch, "steps": steps, "pp": pp, "loops": loops,
            "m": micro_batches, "schedule": schedule, "sharding": "full"}

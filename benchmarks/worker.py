@@ -201,7 +201,7 @@ def run_raw(job: dict, devices: int) -> dict:
     """The same cut, schedule and optimizer as the bfpp job, as a plain torch.distributed.pipelining loop."""
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_bfpp.layout.partition import split_stages
+    from lightning_bfpp.layout.cut import split_stages
     from lightning_bfpp.schedule import ScheduleSpec
 
     assert devices == job["pp"], "the raw loop is pipeline-only (data_parallel = 1)"

@@ -13,9 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_bfpp.sim.model import training_flops_per_token
-
 from lightning_bfpp.contract.hooks import PipelineHooks
+from lightning_bfpp.sim.model import training_flops_per_token
 
 
 @dataclass

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir
+
 from lightning_bfpp.schedule.checks import is_count
 
 run_dir.register_resolvers()

@@ -32,16 +32,17 @@ from .adapter.nonfinite import NonfiniteLoss
 from .adapter.precision import pipeline_precision
 from .adapter.same_batch import check_same_batch
 from .adapter.steps import run_on_last_stage, user_step
-from .contract.hooks import built_in_configure_model, check_callbacks, check_module, contract_notes, training_batch
+from .contract.hooks import built_in_configure_model, check_callbacks, check_module, training_batch
+from .contract.source_notes import contract_notes
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
 from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import skip_consumed_batches
 from .layout.auto import AutoLayout
+from .layout.cut import plan_stages
 from .layout.layer_cost import auto_stage_layers
 from .layout.materialize import has_meta_tensors, init_hook, materialize
 from .layout.mesh import build_mesh, forget_groups
-from .layout.partition import plan_stages
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import grads_like_params, layer_plans
@@ -284,7 +285,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         """Check `module` against these settings without changing it; return the layer names of every stage.
 
         Raises when a pipeline hook is missing, the module optimizes manually, the precision is fp16, or the
-        layers cannot be cut into pipeline_parallel x loops stages (see ``layout.partition.plan_stages``). Lightning's
+        layers cannot be cut into pipeline_parallel x loops stages (see ``layout.cut.plan_stages``). Lightning's
         launcher runs this in the launching process before it starts the others; ``setup`` runs it on every rank."""
         check_module(module, self._precision, getattr(self.precision_plugin, "scaler", None) is not None)
         if self.stage_layers == "auto" and has_meta_tensors(module):

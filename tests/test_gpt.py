@@ -66,7 +66,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 def test_tied_embedding_is_a_weight_shared_by_the_first_and_last_stage():
     from itertools import chain
 
-    from lightning_bfpp.layout.partition import plan_stages
+    from lightning_bfpp.layout.cut import plan_stages
     from lightning_bfpp.layout.tied import find_shared_weights
 
     def shared(model, num_stages):

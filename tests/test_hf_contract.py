@@ -9,7 +9,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_bfpp import PipelineHooks
-from lightning_bfpp.layout.partition import StageModule, plan_stages, split_stages
+from lightning_bfpp.layout.cut import plan_stages, split_stages
+from lightning_bfpp.layout.stage_module import StageModule
 
 
 class Model(nn.Module):  # stands for a third-party model: its own names, its own forward

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
 from lightning_bfpp.hf import CausalLM, TypedDecoderLayer  # noqa: E402
-from lightning_bfpp.layout.partition import plan_stages  # noqa: E402
+from lightning_bfpp.layout.cut import plan_stages  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
@@ -189,7 +189,7 @@ def test_a_decoder_layer_issues_the_collectives_the_simulator_counts(sequence_pa
     a reduce-scatter for each, as the simulator counts."""
     from test_tensor_parallel import BLOCK_COLLECTIVES, collectives
 
-    from lightning_bfpp.hf.causal_lm import causal_lm_side_inputs
+    from lightning_bfpp.hf.side_inputs import causal_lm_side_inputs
 
     model = build("llama", num_key_value_heads=2)
     lm, layer = CausalLM(model), model.model.layers[0]

@@ -170,7 +170,7 @@ def test_activation_checkpointing_cuts_saved_activation_bytes(runs, precision):
 def test_stage_module_checkpointing_keeps_names_and_gradients_and_saves_only_layer_inputs():
     from exact_model import StackNet
 
-    from lightning_bfpp.layout.partition import StageModule
+    from lightning_bfpp.layout.stage_module import StageModule
 
     torch.manual_seed(0)
     model = StackNet()

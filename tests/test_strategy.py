@@ -14,8 +14,10 @@ from torch import nn
 
 import lightning_bfpp
 from lightning_bfpp import BFPPStrategy, ScheduleError
-from lightning_bfpp.layout.partition import RemoteLayer, balanced_stage_layers, plan_stages, split_stages
+from lightning_bfpp.layout.cut import plan_stages, split_stages
+from lightning_bfpp.layout.remote import RemoteLayer
 from lightning_bfpp.runtime.measure import measure_now
+from lightning_bfpp.schedule.stage_cut import balanced_stage_layers
 
 
 def test_string_name_registers_the_strategy():
@@ -222,7 +224,7 @@ def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwar
 
 def test_rank_zero_only_work_in_last_stage_steps_is_named():
     """validation_step & co. run only on the last stage's ranks: rank-zero-only work there would run nowhere."""
-    from lightning_bfpp.contract.hooks import rank_zero_work_on_last_stage
+    from lightning_bfpp.contract.source_notes import rank_zero_work_on_last_stage
 
     class Printing(StackNet):
         def validation_step(self, batch, batch_idx):
@@ -243,7 +245,7 @@ def test_rank_zero_only_work_in_last_stage_steps_is_named():
 def test_a_forward_that_is_not_the_pipeline_is_named():
     """bfpp never calls forward (training and self(x) are the pipeline layers in order): a forward that is not
     written with pipeline_forward/pipeline_layers gets a warning, the contract's own does not."""
-    from lightning_bfpp.contract.hooks import forward_not_the_pipeline
+    from lightning_bfpp.contract.source_notes import forward_not_the_pipeline
 
     class Scaled(StackNet):
         def forward(self, x):
@@ -256,7 +258,7 @@ def test_a_forward_that_is_not_the_pipeline_is_named():
 
 def test_what_bfpp_runs_differently_is_named():
     """A user's own backward is never called, and batch normalization sees micro-batches: both get a warning."""
-    from lightning_bfpp.contract.hooks import not_run_as_written
+    from lightning_bfpp.contract.source_notes import not_run_as_written
 
     class Normed(StackNet):
         def __init__(self):
@@ -276,7 +278,7 @@ def test_what_bfpp_runs_differently_is_named():
 def test_a_layer_of_another_rank_names_itself_when_its_attributes_are_used():
     """configure_optimizers writing param groups from layer attributes (self.inp.weight) runs on every rank: on a
     rank where the layer is a placeholder the error says where it lives and what to use instead."""
-    from lightning_bfpp.layout.partition import RemoteLayer
+    from lightning_bfpp.layout.remote import RemoteLayer
 
     layer = RemoteLayer("inp", stage=0, rank=0)
     with pytest.raises(AttributeError, match=r"layer inp \(stage 0, pipeline rank 0\) lives on another pipeline rank: "
@@ -300,7 +302,7 @@ def test_default_pipeline_inputs_take_pairs_one_tuples_and_bare_inputs():
 def test_training_step_logs_that_will_not_run_are_named():
     """training_step does not run under bfpp: what it logs (other than train_loss, or what
     pipeline_train_metrics logs too) is named in a warning instead of vanishing."""
-    from lightning_bfpp.contract.hooks import not_run_as_written
+    from lightning_bfpp.contract.source_notes import not_run_as_written
 
     class Logs(StackNet):
         def training_step(self, batch, batch_idx):

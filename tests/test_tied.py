@@ -8,7 +8,7 @@ from itertools import chain
 import torch
 from exact_model import StackNet
 
-from lightning_bfpp.layout.partition import split_stages
+from lightning_bfpp.layout.cut import split_stages
 from lightning_bfpp.layout.tied import TiedWeights, find_shared_weights
 from lightning_bfpp.schedule import ScheduleSpec
 from lightning_bfpp.schedule.dims import ParallelDims

@@ -208,7 +208,7 @@ def test_nonfinite_eval_values_are_named():
 
 
 def test_a_layer_returning_a_dict_is_named():
-    from lightning_bfpp.layout.partition import StageModule
+    from lightning_bfpp.layout.stage_module import StageModule
 
     class Encoder(torch.nn.Module):
         def forward(self, x):

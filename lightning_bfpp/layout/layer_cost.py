@@ -12,7 +12,9 @@ from torch import nn
 from .._private.lightning_api import train_data_source
 from ..contract.layer_io import side_inputs_of
 from ..schedule.stage_cut import balanced_stage_layers
-from .partition import StageModule, describe_layers, input_kwargs
+from .names import describe_layers
+from .stage_inputs import input_kwargs
+from .stage_module import StageModule
 
 
 def _sync(device: torch.device) -> None:

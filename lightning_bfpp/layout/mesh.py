@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..schedule.dims import ParallelDims
 
-
 # Process groups built under the current default group, by what they are: every Trainer run in a long-lived
 # process (a notebook, an in-process sweep, a benchmark running many fits) reuses them instead of creating new
 # communicators, whose threads (gloo: a few per group) and connections would pile up for the process's lifetime.

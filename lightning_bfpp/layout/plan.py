@@ -13,7 +13,7 @@ from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
-from .partition import check_stage_layers
+from .cut import check_stage_layers
 
 BATCH_NAMES = Names(batch="global_batch_size")
 

@@ -11,8 +11,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedule.dims import DP, PP, TP, ParallelDims
+from .cut import split_stages
 from .fsdp import shard_stage, stage_mixed_precision
-from .partition import StageModule, named_parts, split_stages
+from .names import named_parts
+from .stage_module import StageModule
 from .tensor_parallel import apply_plans
 from .tied import TiedWeights, find_shared_weights
 
@@ -21,7 +23,7 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
         stage_layers: Sequence[int] | None, global_rank: int, timeout: timedelta | None,
         ) -> tuple[dict[int, StageModule], list[list[str]], TiedWeights]:
     """(this rank's stages by index, every stage's module names, the shared weights' copies). Layers of other
-    ranks are replaced in `module` (see ``partition.split_stages``)."""
+    ranks are replaced in `module` (see ``cut.split_stages``)."""
     parts = named_parts(module, layers)  # every layer's modules by their names in `module`, before the split
     order = {name: i for i, (name, _) in enumerate(module.named_modules(remove_duplicate=False))}
     spec = dims.spec

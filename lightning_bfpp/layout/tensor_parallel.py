@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedule.dims import TP, Names, ParallelDims
-from .partition import layer_names
+from .names import layer_names
 
 HOOK = "pipeline_tp_plan"
 Plans = dict[int, tuple[str, nn.Module, dict]]  # id(layer) -> (layer name, layer, {submodule pattern: ParallelStyle})

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._private.pipelining import build_runtime
 from ..contract.layer_io import BOUNDARY_RULE
-from ..layout.partition import input_kwargs
+from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
 from ..schedule.dims import DP, PP, Names, ParallelDims, micro_batch_size

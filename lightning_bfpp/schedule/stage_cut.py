@@ -1,5 +1,5 @@
 """How a model's ordered layers are cut into contiguous pipeline stages (pure arithmetic, shared by
-the runtime's partition and the simulator's cost model)."""
+the runtime's cut (layout.cut) and the simulator's cost model)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,0 +1,66 @@
+"""What a Hugging Face causal LM's own forward computes once and hands to every decoder layer (position ids,
+rotary cos/sin, causal and sliding-window masks), recomputed per micro-batch as pipeline side inputs."""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .layers import attention_types, base_model
+
+# attention kernels that are causal (and windowed, from the layer's own `sliding_window`) without a mask
+MASK_FREE = ("flash_attention_2", "flash_attention_3")
+
+
+def attention_mask(seq: int, window: int | None, implementation: str, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | None:
+    """The mask the model's attention kernel needs for a full-length causal sequence: none for flash attention
+    (causal and windowed by itself) and for sdpa without a window (``is_causal``); a boolean (1, 1, T, T) mask
+    for sdpa with a window (True: attend); an additive one for eager attention."""
+    if implementation in MASK_FREE or (window is None and implementation == "sdpa"):
+        return None
+    pos = torch.arange(seq, device=device)
+    allowed = pos[None, :] <= pos[:, None]  # (T_query, T_key): keys up to the query
+    if window is not None:
+        allowed &= pos[None, :] > pos[:, None] - window  # the last `window` keys, as transformers' sliding window
+    if implementation == "sdpa":
+        return allowed[None, None]
+    return torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@functools.cache
+def _rotary_per_type(cls: type) -> bool:
+    """Whether a rotary module class makes cos/sin per attention type (``forward(x, position_ids, layer_type)``):
+    read once per class, not per micro-batch."""
+    return "layer_type" in inspect.signature(cls.forward).parameters
+
+
+def causal_lm_side_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, Any]:
+    """What the model's own forward computes once and hands to every decoder layer: position ids, rotary cos/sin
+    (in the default dtype: bf16 under precision='bf16-true') and the attention mask, per attention type when
+    the layers mix types (then under ``per_attention_type``, read by ``TypedDecoderLayer``)."""
+    seq, device, dtype = input_ids.shape[1], input_ids.device, torch.get_default_dtype()
+    position_ids = torch.arange(seq, device=device).unsqueeze(0)  # (1, T)
+    config = model.config
+    base = base_model(model)
+    rotary = getattr(base, "rotary_emb", None)
+    per_type_rotary = rotary is not None and _rotary_per_type(type(rotary))
+    types = attention_types(model) if hasattr(config, "num_hidden_layers") else ["full_attention"]
+    per_type: dict[str, dict[str, Any]] = {}
+    for kind in dict.fromkeys(types):
+        inputs: dict[str, Any] = {}
+        if rotary is not None:
+            x = torch.empty(0, dtype=dtype, device=device)
+            inputs["position_embeddings"] = (rotary(x, position_ids, kind) if per_type_rotary
+                                             else rotary(x, position_ids))
+        window = config.sliding_window if kind == "sliding_attention" else None
+        mask = attention_mask(seq, window, config._attn_implementation, dtype, device)
+        if mask is not None:
+            inputs["attention_mask"] = mask
+        per_type[kind] = inputs
+    if len(per_type) > 1:
+        return {"position_ids": position_ids, "per_attention_type": per_type}
+    return {"position_ids": position_ids, **per_type[types[0]]}

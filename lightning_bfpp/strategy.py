@@ -26,102 +26,74 @@ from ._private.lightning_api import (
 )
 from ._private.torch_api import check_compile
 from .adapter.collectives import ReplicaCollectives
-from .adapter.handover import GradHandover
 from .adapter.loader import check_split, check_training_loader
-from .adapter.nonfinite import NonfiniteLoss
 from .adapter.precision import pipeline_precision
 from .adapter.same_batch import check_same_batch
 from .adapter.steps import run_on_last_stage, user_step
-from .contract.hooks import built_in_configure_model, check_callbacks, check_module, training_batch
+from .adapter.training import TrainingStep
+from .contract.hooks import built_in_configure_model, check_callbacks, check_module
 from .contract.source_notes import contract_notes
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
 from .job.preempt import SaveOnSignal, check_on_signal
-from .job.resume import skip_consumed_batches
+from .job.resume import resume_training_loader
 from .layout.auto import AutoLayout
-from .layout.cut import plan_stages
 from .layout.layer_cost import auto_stage_layers
-from .layout.materialize import has_meta_tensors, init_hook, materialize
+from .layout.materialize import has_meta_tensors
 from .layout.mesh import build_mesh, forget_groups
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
-from .layout.tensor_parallel import grads_like_params, layer_plans
-from .runtime.measure import check_every_n_steps, measure_now, step_stats
-from .runtime.pipeline import PipelineRunner, batch_rows
-from .runtime.reduce import clip_grad_norm_on_mesh, share_from_ranks
+from .layout.tensor_parallel import layer_plans
+from .runtime.pipeline import PipelineRunner
+from .runtime.reduce import clip_grad_norm_on_mesh
 from .schedule import Schedule
 from .schedule.dims import DP, PP
 
 
 class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
-    """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning.
+    """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning. Every setting is
+    checked before any process starts; docs/settings.md describes each in full.
 
     Args:
-        layout: "auto" (or ``AutoLayout(...)``): pipeline_parallel, loops, micro_batches, groups, schedule, sharding,
-            reshard_after_forward and the stage cut are picked by the planner (``lightning_bfpp.layout.auto``) from
-            this model's layers measured on this device, for this world and ``global_batch_size``; the pick and the
-            runner-up are printed with predicted step time and memory. Any of those knobs set here is pinned.
-            Default (None): the knobs as given, with the defaults below.
-        global_batch_size: samples per optimizer step over all data-parallel replicas; required by layout="auto" (a
-            loader's batch is per replica, so it would change with data_parallel). The training loader's batch must
-            be ``replica_batch_size`` (global_batch_size / data_parallel), which is checked.
-        pipeline_parallel: pipeline ranks (pp); data parallel = world_size / (pp x tensor_parallel). Default (None):
-            world_size / tensor_parallel (fewer when the model has fewer layers), printed at start.
+        layout: "auto" (or ``AutoLayout(...)``): the planner picks pipeline_parallel, loops, micro_batches, groups,
+            schedule, sharding, reshard_after_forward and the stage cut from this model's layers measured on this
+            device, for this world and ``global_batch_size``; any of those set here is pinned. None: as given.
+        global_batch_size: samples per optimizer step over all replicas (required by layout="auto"); the training
+            loader must then yield ``replica_batch_size`` (global_batch_size / data_parallel) samples.
+        pipeline_parallel: pipeline ranks (pp). Default: world_size / tensor_parallel (fewer when the model has
+            fewer layers), printed at start. Data parallel = world_size / (pp x tensor_parallel).
         tensor_parallel: processes splitting every layer (tp, innermost, within one node) by the model's
-            ``pipeline_tp_plan`` (see ``lightning_bfpp.layout.tensor_parallel``); must divide the devices per node.
-        sequence_parallel: with tensor_parallel > 1, activations between the split modules (norms, dropout,
-            residual adds) and across stages are each tp rank's 1/tp of the sequence (Korthikanti et al. 2022): the
-            model's ``pipeline_tp_plan`` is asked for sequence-parallel plans. The sequence length must divide by
-            tensor_parallel. Default (None): off; measured 1.2x slower per step on CPU (gloo), where an all-gather
-            and a reduce-scatter cost more than one all-reduce (docs/tensor_parallel.md, BENCHMARKS.md).
+            ``pipeline_tp_plan`` (``lightning_bfpp.layout.tensor_parallel``).
+        sequence_parallel: with tensor_parallel > 1, activations between split modules and across stages are each
+            tp rank's 1/tp of the sequence; the sequence length must divide by tp. Default: off.
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
-        schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb" (breadth-first
-            with each backward split into input- and weight-gradient passes, the weight passes filling idle time).
+        schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb".
         groups: breadth_first only: sequential accumulation groups of micro-batches (default 1).
         sharding: "full" (FSDP2 over data parallel; default) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward (default False).
-        stage_layers: explicit layer count per stage; "auto": balanced by time (every rank times every layer's
-            forward+backward on one micro-batch of the training data at setup; all cut by the minimum over ranks;
-            logged, and kept as ``stage_times_s``); default (None): balanced by parameter count.
-        activation_checkpointing: recompute every layer of every local stage in backward (one extra forward
-            per layer) instead of keeping its activations; only each layer's inputs stay saved.
-        compile: ``torch.compile`` each pipeline layer of the local stages (in place: names are kept), after tensor
-            parallel, before FSDP. Graphs made after training step 2 (recompiles) are warned about and counted in
-            ``step_stats`` (``compiled_graphs``, ``recompiled_graphs``). Refused where torch.compile cannot run.
-        nonfinite_loss: a NaN/inf training loss (seen by every rank at once) "stop"s the run with an error
-            before the optimizer step, or "skip"s that batch's gradients and goes on (counted as
-            ``skipped_batches``); more than ``max_consecutive_skips`` skipped in a row stop the run.
-        max_consecutive_skips: with nonfinite_loss="skip", the bound on consecutive skipped batches (default 5).
+        stage_layers: layers per stage; "auto": balanced by each layer's time measured at setup; None (default):
+            balanced by parameter count.
+        activation_checkpointing: recompute every layer of every local stage in backward.
+        compile: ``torch.compile`` each pipeline layer of the local stages (names kept); recompiles are counted.
+        nonfinite_loss: a NaN/inf training loss "stop"s the run before the optimizer step, or "skip"s that batch
+            (at most ``max_consecutive_skips`` in a row, default 5).
         process_group_backend: as in ModelParallelStrategy.
-        timeout: bound on every distributed wait — collectives, p2p, the store (a timedelta or seconds; default
-            30 min, torch's), except the start-up rendezvous (at least ``job.guard.STARTUP_TIMEOUT``: processes
-            start at different times). A rank that dies or fails ends the job long before: see ``job.watchdog``.
-        measure_every_n_steps: when ``step_stats`` (bubble, compute time, per-rank bytes, saved-activation peak: an
-            all-gather over the world and a saved-tensor hook) are measured: None (default) on Lightning's logging
-            steps (``Trainer(log_every_n_steps=...)``) and the last step (``max_steps``); N every N-th step; 0 never.
-            Other steps run without timing wrappers, saved-tensor hook or all-gather.
-        trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file). Off by
-            default: only plain data and tensors load (also switched on by BFPP_TRUST_CHECKPOINTS=1). docs/checkpoints.md
-            says what is safe to load from an untrusted source.
-        on_signal: what SIGTERM, SIGINT and SLURM's requeue signal do while training: "save" (default) — every rank
-            saves one checkpoint at the next step boundary they agree on, then the run stops (Lightning's
-            ``SIGTERMException``, here ``lightning_bfpp.job.preempt.Preempted``) and the process exits 128 + N;
-            "exit" — every process exits at once. Outside training, and at a second signal, the job exits at once.
-        signal_grace_s: the bound on that save (default: 25 s under torchrun and after SLURM's SIGTERM, whose
-            launchers kill 30 s after the signal; else 60 s); past it the job exits without the save, and the
-            newest complete checkpoint stays intact.
-        signal_checkpoint: where that checkpoint goes. Default: Lightning's HPC checkpoint
-            ``<default_root_dir>/hpc_ckpt_<N>.ckpt`` under SLURM (the requeued job resumes it by itself) or without a
-            ModelCheckpoint (``ckpt_path="hpc"``); else ``last.ckpt`` in the ModelCheckpoint's folder
-            (``ckpt_path="last"``).
-        async_save: while fitting, a save copies the state to CPU memory and returns; the files are written in the
-            background (torch.distributed.checkpoint's async_save, then the manifest and the rename on a gloo group of
-            their own). The next save, the end of fit, and a stop signal's exit wait for it. Saves outside fit are
-            written at once. Costs a CPU copy of this rank's state while it is written.
+        timeout: bound on every distributed wait (a timedelta or seconds; default 30 min); the start-up rendezvous
+            waits at least ``job.guard.STARTUP_TIMEOUT``. A rank that dies or fails ends the job long before.
+        measure_every_n_steps: when ``step_stats`` (bubble, times, bytes) are measured: None (default) on
+            Lightning's logging steps and the last step; N every N-th step; 0 never.
+        trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file; also
+            BFPP_TRUST_CHECKPOINTS=1). Off by default: only plain data and tensors load.
+        on_signal: SIGTERM, SIGINT and SLURM's requeue signal while training: "save" (default) one checkpoint at
+            the next step boundary every rank agrees on, then exit 128 + N; "exit" at once.
+        signal_grace_s: the bound on that save (default 25 s under torchrun and SLURM, else 60 s).
+        signal_checkpoint: where that checkpoint goes (default: Lightning's HPC checkpoint under SLURM or without a
+            ModelCheckpoint, else ``last.ckpt`` in the ModelCheckpoint's folder).
+        async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
 
-    Checkpoints are always sharded folders (torch.distributed.checkpoint) keyed by the model's own
-    parameter names; they load into any other layout. See ``lightning_bfpp.checkpoint``.
+    Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
+    into any other layout. See ``lightning_bfpp.checkpoint``.
     """
 
     materializes_meta_stages = True  # a model built on the meta device gets memory per stage in setup (CausalLM reads it)
@@ -144,8 +116,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
-        self.measure_every_n_steps = check_every_n_steps(measure_every_n_steps)
-        self.nonfinite = NonfiniteLoss(nonfinite_loss, max_consecutive_skips)
+        self._training = TrainingStep(measure_every_n_steps, nonfinite_loss, max_consecutive_skips)
         # the layout, checked now (before any process starts), then again with the world and the model
         self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
                                groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size)
@@ -156,9 +127,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
-        self.step_stats: dict[str, Any] = {}  # of the last measured step (see measure_every_n_steps)
-        self.measured_step = False  # whether the last training step was measured
-        self._handover = GradHandover()  # gradients from the schedule in training_step, handed over in backward
         self.tied = None  # TiedWeights, once the model is cut
         self.param_order: list[str] = []  # the whole model's parameter names, in its order (before the cut)
         self._job = JobGuard()
@@ -182,6 +150,12 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     global_batch_size = property(lambda self: self.plan.global_batch_size)
     auto_layout = property(lambda self: self.plan.auto_layout)
     pinned = property(lambda self: self.plan.pinned)
+
+    # ---- the training step (``adapter.training``) -------------------------------------------------
+    measure_every_n_steps = property(lambda self: self._training.measure_every_n_steps)
+    nonfinite = property(lambda self: self._training.nonfinite)
+    step_stats = property(lambda self: self._training.step_stats, doc="The last measured step's numbers.")
+    measured_step = property(lambda self: self._training.measured_step, doc="Whether the last step was measured.")
 
     replica_batch_size = property(lambda self: self.plan.replica_batch_size,
                                   doc="Samples each data-parallel replica's training loader yields per step "
@@ -210,14 +184,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._job.launcher = self.launcher  # a failed rendezvous (e.g. its port taken) still stops the child ranks
         rendezvous(self, self._setup_distributed)  # waits at least STARTUP_TIMEOUT for every process to start
         if self.auto_layout is not None and not self.plan.decided:  # the mesh, datamodule and samplers depend on it
-            module = self.lightning_module
-            where = "configure_model builds the layers" if built_in_configure_model(module) else \
-                "the model is on the meta device" if has_meta_tensors(module) else None
-            if where:
-                raise ValueError(f"layout='auto' times the layers by running them, and {where}: give the layout "
-                                 "(pipeline_parallel, loops, ...), or build the model in memory.")
-            layers = list(module.pipeline_layers())
-            rank_zero_info(self.plan.decide(module, layers, self.root_device, self.world_size,
+            rank_zero_info(self.plan.decide(self.lightning_module, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
         self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.on_signal, self.signal_grace_s)
         self._device_mesh = build_mesh(self.dims, self.root_device.type, process_group_timeout(self))
@@ -288,9 +255,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layers cannot be cut into pipeline_parallel x loops stages (see ``layout.cut.plan_stages``). Lightning's
         launcher runs this in the launching process before it starts the others; ``setup`` runs it on every rank."""
         check_module(module, self._precision, getattr(self.precision_plugin, "scaler", None) is not None)
-        if self.stage_layers == "auto" and has_meta_tensors(module):
-            raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta device: "
-                             "give the layers per stage, or let bfpp balance them by parameter count (None).")
         layers = list(module.pipeline_layers())
         self._set_world(self.num_processes * self.num_nodes, len(layers))
         if not self._contract_announced:
@@ -299,9 +263,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             rank_zero_info(line)
             for warning in warnings:
                 rank_zero_warn(warning)
-        stages = plan_stages(module, layers, self.spec.num_stages, None if self.plan.undecided else self.stage_layers)
-        if self.tensor_parallel > 1:
-            layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel)  # the model's plan, checked
+        stages = self.plan.check_model(module, layers)
         if self.compile:
             check_compile(self.root_device.type)
         return stages
@@ -315,13 +277,11 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             stage_layers, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
                                                                  self.spec.micro_batches, self.root_device)
             rank_zero_info(line)
-        seed = self.broadcast(torch.initial_seed()) if on_meta else 0  # rank 0's: one initialization for all ranks
+        seed = self.broadcast(torch.initial_seed()) if on_meta else None  # rank 0's: one initialization for all
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
-                                                         self.global_rank, process_group_timeout(self))
-        if on_meta:  # only this rank's stages remain in `module`: they get memory and their weights here
-            materialize(module, self.root_device, seed, init_hook(module))
-            self.tied.copy_initial_value()
+                                                         self.global_rank, process_group_timeout(self), self.root_device,
+                                                         seed)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
@@ -345,17 +305,12 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not supported.")
-        path = Path(self.broadcast(filepath))
-        state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        checkpoint["bfpp"] = self.plan.checkpoint_meta(self.stage_layer_names, self.stage_times_s)
-        aliases = self.tied.aliases() if self.tied is not None else {}
-        # each optimizer's param groups as the whole model's names: `export --full` numbers them as torch does
-        checkpoint["bfpp"]["optimizer_groups"] = [ckpt.optimizer_groups(self.model, unwrap_optimizer(o), self.param_order,
-                                                                        aliases) for o in self.optimizers]
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
-        ckpt.save(path, state, checkpoint, background=self._saves if self.async_save and fitting else None)
+        ckpt.save_trainer_checkpoint(
+            Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],
+            self.plan.checkpoint_meta(self.stage_layer_names, self.stage_times_s), self.param_order,
+            self.tied.aliases() if self.tied is not None else {}, self._saves if self.async_save and fitting else None)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -373,16 +328,10 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         has not yet counted its batch `completed`)."""
         check_split(dataloader, self.plan)
         trainer = self.lightning_module.trainer
-        if trainer.training:
-            check_training_loader(dataloader, self.plan)
-            fit_loop = trainer.fit_loop
-            if fit_loop.restarting:
-                batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
-                # mid-epoch only: a checkpoint of an epoch's end (its last batch, on_train_epoch_end, or a finished
-                # epoch) resumes at the next epoch's start, as Lightning's restart stages say
-                if epochs.processed < epochs.ready and not batches.is_last_batch:
-                    return skip_consumed_batches(dataloader, batches.current.processed)
-        return dataloader
+        if not trainer.training:
+            return dataloader
+        check_training_loader(dataloader, self.plan)
+        return resume_training_loader(dataloader, trainer.fit_loop)
 
     # ---- steps ---------------------------------------------------------------------------------
     @override
@@ -390,31 +339,15 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         assert self.runner is not None
         module = self.lightning_module
         self._job.progress(module.trainer.global_step)
-        inputs, target = training_batch(module, args[0])
-        params = [p for p in module.parameters() if p.requires_grad]
-        train_metrics = getattr(module, "pipeline_train_metrics", None)
-        # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
-        self.measured_step = measure = measure_now(module.trainer, self.measure_every_n_steps)
-        if measure or self._check_batch:
-            self._same_batch((inputs, target), "training")
-        with self._handover.capture(params):
-            with self.precision_plugin.train_step_context():
-                loss, outputs = self.runner.train_step(inputs, target, keep_outputs=callable(train_metrics), measure=measure)
-            if self.tied:
-                self.tied.sum_gradients()
-            if self.tensor_parallel > 1:
-                grads_like_params(params)
-        loss = share_from_ranks(loss, self.data_parallel * self.tensor_parallel, self.root_device)  # last-stage ranks
-        if measure:
-            self.step_stats = step_stats(self.runner, params, self._handover.grads(), self.optimizers, self.root_device)
-        module.log("train_loss", loss, prog_bar=True, batch_size=batch_rows(inputs))
-        if callable(train_metrics):
-            with torch.no_grad():
-                self._run_user_step(lambda: train_metrics(outputs, target))
-        # the shared loss: on a NaN/inf every rank takes this branch together, before the optimizer step
-        if not self.nonfinite.keep(loss, module, args[1] if len(args) > 1 else None):
-            self._handover.drop()  # backward hands nothing over; parameters without gradients are not stepped
-        return loss  # (even a skipped step's: Lightning refuses a None step output in distributed runs)
+
+        def check_batch(batch: Any, measured: bool) -> None:
+            if measured or self._check_batch:
+                self._same_batch(batch, "training")
+
+        return self._training.run(module, self.runner, args[0], args[1] if len(args) > 1 else None, dims=self.dims,
+                                  device=self.root_device, tied=self.tied, optimizers=self.optimizers,
+                                  step_context=self.precision_plugin.train_step_context, check_batch=check_batch,
+                                  on_last_stage=self._run_user_step)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -422,7 +355,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._handover.hand_over(1.0 / module.trainer.accumulate_grad_batches)  # as Lightning divides the loss
+        self._training.hand_over(module.trainer.accumulate_grad_batches)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -195,3 +195,56 @@ def test_import_registers_the_bfpp_strategy(order):
 def test_without_importing_lightning_bfpp_there_is_no_bfpp_strategy():  # the two tests above see the import's effect
     code = "from lightning.pytorch.strategies import StrategyRegistry\nprint('bfpp' in StrategyRegistry)"
     assert _run(code).split()[-1] == "False"
+
+
+# The one owner of the mesh (schedule/dims.py: sizes, names, rank <-> coordinates) and the one builder of it
+# (layout/mesh.py): nothing else computes where a rank sits in the mesh, builds a mesh, or names a mesh dimension.
+MESH_OWNER, MESH_BUILDER = "lightning_bfpp.schedule.dims", "lightning_bfpp.layout.mesh"
+MESH_SIZES = {"data_parallel", "tensor_parallel", "dp", "tp"}  # (pipeline ranks and stages are the schedule's)
+MESH_CONSTRUCTORS = {"init_device_mesh", "DeviceMesh", "from_group"}
+
+
+def _identifiers(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+
+
+def _rank_arithmetic(node: ast.BinOp) -> bool:
+    """p * dp + d (a rank from coordinates), or any arithmetic of a rank with the data- or tensor-parallel size
+    (rank // tp % dp: a coordinate). (A size's divisibility, heads % tp, is not a coordinate.)"""
+    if isinstance(node.op, ast.Add) and any(isinstance(side, ast.BinOp) and isinstance(side.op, ast.Mult)
+                                            and _identifiers(side) & MESH_SIZES for side in (node.left, node.right)):
+        return True
+    names = _identifiers(node)
+    return any("rank" in n for n in names) and bool(names & MESH_SIZES)
+
+
+def mesh_rules_broken(source: str, module: str) -> list[str]:
+    """What `source` (the code of `module`) does that only the mesh's owner or builder may do."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and module != MESH_OWNER and _rank_arithmetic(node):
+            found.append(f"line {node.lineno}: rank arithmetic ({ast.unparse(node)})")
+        elif isinstance(node, ast.Call) and module != MESH_BUILDER:
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in MESH_CONSTRUCTORS:
+                found.append(f"line {node.lineno}: builds a mesh ({func})")
+        elif isinstance(node, ast.Subscript) and module != MESH_OWNER:
+            key = node.slice
+            if isinstance(key, ast.Constant) and key.value in ("pipeline_parallel", "data_parallel", "tensor_parallel"):
+                found.append(f"line {node.lineno}: names a mesh dimension ({ast.unparse(node)}; use schedule.dims' names)")
+    return found
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_only_the_mesh_owner_computes_mesh_coordinates(path):
+    broken = mesh_rules_broken(path.read_text(), module_name(path))
+    assert not broken, f"{module_name(path)}: {broken}; ask {MESH_OWNER}.ParallelDims (rank, coordinates, ...) instead"
+
+
+def test_the_mesh_rule_sees_rank_arithmetic_meshes_and_dimension_names():
+    code = ("first = (rank // tp) % dp * tp\nranks = [r * data_parallel + d for r in pipeline_ranks]\n"
+            "m = init_device_mesh('cpu', (2, 2))\ng = mesh['data_parallel']\nok = mesh[DP]\nn = stage % pp\n")
+    broken = [b.split(":")[0] for b in mesh_rules_broken(code, "lightning_bfpp.layout.tied")]
+    assert sorted(set(broken)) == ["line 1", "line 2", "line 3", "line 4"], broken  # not line 6: the schedule's
+    assert mesh_rules_broken(code, MESH_OWNER) == ["line 3: builds a mesh (init_device_mesh)"]

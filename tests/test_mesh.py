@@ -76,3 +76,22 @@ def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
     assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]
     # building the same layout again (every Trainer run does) creates no new groups, so no new gloo threads
     assert all(out[r]["reused"] and out[r]["new_threads"] == 0 for r in range(WORLD)), dict(out)
+
+
+def test_parallel_dims_own_every_ranks_coordinates():
+    """Global rank = (pipeline rank x dp + replica) x tp + tensor-parallel rank, the layout torch's init_device_mesh
+    gives the shape (pp, dp[, tp]) (checked against it above); every group and leader follows from it."""
+    for pp, tp, world in ((2, 1, 4), (1, 2, 4), (2, 2, 8), (4, 1, 4)):
+        dims = ParallelDims(world=world, spec=ScheduleSpec(pipeline_parallel=pp), tensor_parallel=tp).validate()
+        dp = dims.data_parallel
+        assert dims.mesh_shape == ((pp, dp, tp) if tp > 1 else (pp, dp))
+        grid = torch.arange(world).reshape(pp, dp, tp)
+        for rank in range(world):
+            p, d, t = dims.coordinates(rank)
+            assert grid[p, d, t] == rank == dims.rank(p, d, t)
+            assert dims.group(PP, rank) == grid[:, d, t].tolist()
+            assert dims.group(DP, rank) == grid[p, :, t].tolist()
+            assert dims.group(TP, rank) == grid[p, d, :].tolist()
+            assert dims.replica_leader(rank) == grid[0, d, 0]
+        assert dims.across_pipeline_ranks((0, pp - 1)) == [grid[[0, pp - 1], d, t].tolist()
+                                                         for d in range(dp) for t in range(tp)]

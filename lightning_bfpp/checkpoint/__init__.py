@@ -14,9 +14,9 @@ from .loading import check_path, is_sharded, load, read_meta
 from .manifest import MANIFEST, META_FILE
 from .plain import optimizer_groups
 from .safety import TRUST_ENV, CheckpointError, UnsafeCheckpointError
-from .saving import save
+from .saving import save, save_trainer_checkpoint
 from .state import optimizer_state
 
 __all__ = ["BackgroundSaves", "CheckpointError", "UnsafeCheckpointError", "TRUST_ENV", "MANIFEST", "META_FILE",
            "check_path", "export", "is_sharded", "load", "main", "optimizer_groups", "optimizer_state", "read_meta",
-           "save"]
+           "save", "save_trainer_checkpoint"]

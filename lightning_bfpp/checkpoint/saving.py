@@ -16,8 +16,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from .background import BackgroundSaves
 from .manifest import META_FILE, hash_files, remove_stale_tmp, write_manifest
+from .plain import optimizer_groups
 from .safety import TRUST_ENV
 from .state import rng_state, this_rank
+
+
+def save_trainer_checkpoint(path: Path, checkpoint: dict[str, Any], model: torch.nn.Module, optimizers: list,
+                            layout: dict[str, Any], param_order: list[str], aliases: dict[str, list[str]],
+                            background: BackgroundSaves | None = None) -> None:
+    """Lightning's `checkpoint` dict as a sharded folder (`save`): its model and optimizer states as this rank's
+    shards; the rest (loops, callbacks, hyperparameters) as metadata, with the `layout` it was written in and each
+    optimizer's param groups by the whole model's names (`export --full` numbers them as torch does)."""
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    groups = [optimizer_groups(model, o, param_order, aliases) for o in optimizers]
+    checkpoint["bfpp"] = {**layout, "optimizer_groups": groups}
+    save(path, state, checkpoint, background)
 
 
 def save(path: Path, state: dict[str, Any], meta: dict[str, Any], background: BackgroundSaves | None = None) -> None:

@@ -4,6 +4,7 @@ batch *indices* already consumed in the epoch are skipped (no data is loaded for
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import BatchSampler, DataLoader
 
@@ -25,6 +26,19 @@ class SkipFirstBatches(BatchSampler):
         for i, batch in enumerate(self.inner):
             if i >= skip:
                 yield batch
+
+
+def resume_training_loader(dataloader: object, fit_loop: Any) -> object:
+    """On a mid-epoch resume of Lightning's `fit_loop`, `dataloader` started after the batches the checkpoint had
+    trained on (`processed`: a ModelCheckpoint saving in on_train_batch_end has not yet counted its batch
+    `completed`); otherwise `dataloader` as it is. A checkpoint of an epoch's end (its last batch,
+    on_train_epoch_end, or a finished epoch) resumes at the next epoch's start, as Lightning's restart stages say."""
+    if not fit_loop.restarting:
+        return dataloader
+    batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
+    if epochs.processed < epochs.ready and not batches.is_last_batch:
+        return skip_consumed_batches(dataloader, batches.current.processed)
+    return dataloader
 
 
 def skip_consumed_batches(dataloader: object, consumed: int) -> object:

@@ -7,13 +7,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from torch import nn
-
+from ..contract.hooks import built_in_configure_model
 from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
-from .cut import check_stage_layers
+from .cut import check_stage_layers, plan_stages
+from .materialize import has_meta_tensors
+from .tensor_parallel import layer_plans
 
 BATCH_NAMES = Names(batch="global_batch_size")
 
@@ -110,11 +111,27 @@ class LayoutPlan:
                 f"micro_batches={spec.micro_batches}, schedule={spec.name} (choose with "
                 "BFPPStrategy(pipeline_parallel=..., loops=..., micro_batches=...)).")
 
-    def decide(self, module: Any, layers: list[nn.Module], device: Any, world: int, devices_per_node: int,
-               precision: str) -> str:
+    def check_model(self, module: Any, layers: list) -> list[list[str]]:
+        """The layer names of every stage this layout cuts `module`'s `layers` into; raises when they cannot be cut
+        (or timed, for stage_layers="auto"), or the model's tensor-parallel plan does not fit."""
+        if self.stage_layers == "auto" and has_meta_tensors(module):
+            raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta device: "
+                             "give the layers per stage, or let bfpp balance them by parameter count (None).")
+        stages = plan_stages(module, layers, self.spec.num_stages, None if self.undecided else self.stage_layers)
+        if self.dims.tensor_parallel > 1:
+            layer_plans(module, layers, self.dims.tensor_parallel, self.dims.sequence_parallel)  # the model's plan
+        return stages
+
+    def decide(self, module: Any, device: Any, world: int, devices_per_node: int, precision: str) -> str:
         """layout="auto" on every rank at once, the process group up: each rank measures the layers, the numbers are
         min-reduced and rank 0's pick is broadcast (``auto.decide``), so every rank builds the same mesh. Returns the
         line describing the pick."""
+        where = "configure_model builds the layers" if built_in_configure_model(module) else \
+            "the model is on the meta device" if has_meta_tensors(module) else None
+        if where:
+            raise ValueError(f"layout='auto' times the layers by running them, and {where}: give the layout "
+                             "(pipeline_parallel, loops, ...), or build the model in memory.")
+        layers = list(module.pipeline_layers())
         inputs, target = sample_inputs(module, self.auto_layout.sample)
         explicit = isinstance(self.stage_layers, list)
         spec, sharding, cut, line = decide(

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import timedelta
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedule.dims import DP, PP, TP, ParallelDims
 from .cut import split_stages
 from .fsdp import shard_stage, stage_mixed_precision
+from .materialize import init_hook, materialize
 from .names import named_parts
 from .stage_module import StageModule
 from .tensor_parallel import apply_plans
@@ -20,10 +22,11 @@ from .tied import TiedWeights, find_shared_weights
 
 
 def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: ParallelDims,
-        stage_layers: Sequence[int] | None, global_rank: int, timeout: timedelta | None,
-        ) -> tuple[dict[int, StageModule], list[list[str]], TiedWeights]:
+        stage_layers: Sequence[int] | None, global_rank: int, timeout: timedelta | None, device: torch.device,
+        seed: int | None = None) -> tuple[dict[int, StageModule], list[list[str]], TiedWeights]:
     """(this rank's stages by index, every stage's module names, the shared weights' copies). Layers of other
-    ranks are replaced in `module` (see ``cut.split_stages``)."""
+    ranks are replaced in `module` (see ``cut.split_stages``). A model on the meta device (`seed`: the same on every
+    rank) gets memory on `device` and its weights for this rank's stages only (``materialize``)."""
     parts = named_parts(module, layers)  # every layer's modules by their names in `module`, before the split
     order = {name: i for i, (name, _) in enumerate(module.named_modules(remove_duplicate=False))}
     spec = dims.spec
@@ -33,6 +36,9 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
     # copies are summed per (replica, tensor-parallel rank)
     shared = find_shared_weights(parts, names)
     tied = TiedWeights(module, shared, modules, dims, global_rank, timeout, order)
+    if seed is not None:
+        materialize(module, device, seed, init_hook(module))
+        tied.copy_initial_value()  # the copies of a shared weight were initialized by different modules
     return modules, names, tied
 
 

@@ -108,6 +108,17 @@ class ParallelDims:
         pipeline, data = divmod(rest, self.data_parallel)
         return Coordinates(pipeline, data, tensor)
 
+    def group(self, dim: str, rank: int) -> list[int]:
+        """The global ranks of `rank`'s group along mesh dimension `dim` (PP, DP or TP), in order."""
+        pipeline, data, tensor = self.coordinates(rank)
+        if dim == PP:
+            return [self.rank(p, data, tensor) for p in range(self.pipeline_parallel)]
+        if dim == DP:
+            return [self.rank(pipeline, d, tensor) for d in range(self.data_parallel)]
+        if dim == TP:
+            return [self.rank(pipeline, data, t) for t in range(self.tensor_parallel)]
+        raise ValueError(f"{dim!r} is not a mesh dimension ({PP}, {DP}, {TP})")
+
     def replica_leader(self, rank: int) -> int:
         """The lowest rank of `rank`'s data-parallel replica (the ranks that must load the same batch)."""
         return self.rank(0, self.coordinates(rank).data)

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from ..schedule.actions import ScheduleSpec
+from ..schedule.dims import DP, ParallelDims
 from ..schedule.stage_cut import balanced_stage_layers
 from .cluster import Cluster
 from .model import Layers, Model, WireBytes
@@ -115,8 +117,8 @@ def build_costs(
 
     `activation_bytes`: bytes per element of the p2p activations/gradients (None: the layers' `wire.messages`; 2:
     bf16, 4: a 32-true run). FSDP collectives move the layers' `wire.weights` / `wire.grads` bytes per parameter.
-    NOTE: ranks are laid out as (pp, dp, tp) with tp innermost: global rank = (p * dp + d) * tp + t, so a tp
-    group is one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
+    NOTE: ranks are laid out as the runtime's mesh (``schedule.dims.ParallelDims``: tp innermost), so a tp group is
+    one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
     Tensor-parallel collectives run on the in-node links on the compute's critical path (as the runtime's);
     activations cross stages whole, each tp rank sending to its counterpart, or (sequence parallel) as each
     rank's sequence shard (Korthikanti et al. 2022: the boundary tensor is sequence-split).
@@ -127,6 +129,7 @@ def build_costs(
     if cluster.devices % tp:
         raise ValueError(f"tensor_parallel={tp} must divide the {cluster.devices} devices of a node.")
     num_stages = pp * loops
+    dims = ParallelDims(world=pp * dp * tp, spec=ScheduleSpec(pipeline_parallel=pp, loops=loops), tensor_parallel=tp)
     layers = model if isinstance(model, Layers) else model.layers(cluster, tp, sequence_parallel)
     if layers.tensor_parallel != tp:
         raise ValueError(f"layers are per rank of tensor_parallel={layers.tensor_parallel}, not {tp}.")
@@ -141,12 +144,12 @@ def build_costs(
     stages, start = [], 0
     for s, n in enumerate(counts):
         span = range(start, start + n)
-        stage = _stage_cost(layers, cluster, span, s % pp, dp, tp, micro_batch_size, sharding)
+        stage = _stage_cost(layers, cluster, span, dims.group(DP, dims.rank(s % pp, 0)), micro_batch_size, sharding)
         stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),
                               weight_fraction=1.0 if s == 0 else stage.weight_fraction))  # torch: no I on the first
         start += n
     tokens = micro_batch_size * layers.seq
-    p2p, inter_links = _p2p_links(cluster, pp, dp, tp, message)
+    p2p, inter_links = _p2p_links(cluster, dims, message)
     return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
                  cluster.step_overhead, tp, inter_links)
 
@@ -172,10 +175,10 @@ def _weight_pass_bytes(layers: Layers, span: range, micro_batch_size: int, messa
     return output_grad + sum(layers.weight_grad_bytes[i] for i in span) * micro_batch_size
 
 
-def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: int, tp: int, micro_batch_size: int,
+def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int], micro_batch_size: int,
                 sharding: str) -> StageCost:
-    """One stage (layers `span`, on pipeline rank `rank`) for one micro-batch: compute from calibrated layer
-    times or FLOPs (recomputation repeats the forward), tp collectives, dp collectives over its dp group."""
+    """One stage (layers `span`) for one micro-batch: compute from calibrated layer times or FLOPs (recomputation
+    repeats the forward), tp collectives, dp collectives over its data-parallel `group` (global ranks)."""
     mbs, recompute = micro_batch_size, 1.0 if layers.recompute else 0.0
     p = sum(layers.params[i] for i in span)
     if layers.times:  # calibrated per-layer seconds
@@ -187,7 +190,7 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: in
     tp_fwd, tp_bwd = _tp_times(layers, cluster, mbs)
     fwd_tp = sum(tp_fwd[i] for i in span)
     bwd_tp = sum(tp_bwd[i] for i in span) + recompute * fwd_tp
-    group = [(rank * dp + d) * tp for d in range(dp)]
+    dp = len(group)
     bw, lat = cluster.group_bandwidth(group), cluster.latency
     wire = layers.wire
     gather = ring_time(wire.weights * p, dp, bw, lat) if sharding == "full" else 0.0
@@ -205,15 +208,16 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, rank: int, dp: in
                      grad_bytes=wire.grads)
 
 
-def _p2p_links(cluster: Cluster, pp: int, dp: int, tp: int, message: float) -> tuple[dict, frozenset]:
+def _p2p_links(cluster: Cluster, dims: ParallelDims, message: float) -> tuple[dict, frozenset]:
     """Seconds of one message between neighbouring pipeline ranks, and the links that cross nodes: the slowest
     replica sets the pace (inter-node if any replica's pair crosses a node)."""
     p2p, inter_links = {}, set()
     latency = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
+    pp = dims.pipeline_parallel
     for src in range(pp):
         for dst in {(src + 1) % pp, (src - 1) % pp} - {src}:
-            inter = any(((src * dp + d) * tp) // cluster.devices != ((dst * dp + d) * tp) // cluster.devices
-                        for d in range(dp))
+            inter = any(dims.rank(src, d) // cluster.devices != dims.rank(dst, d) // cluster.devices
+                        for d in range(dims.data_parallel))
             p2p[(src, dst)] = latency + message / (cluster.inter_bw if inter else cluster.intra_bw)
             if inter:
                 inter_links.add((src, dst))

@@ -1,0 +1,69 @@
+"""The training step of a pipelined module under Lightning's automatic optimization: the schedule runs forward and
+backward inside ``training_step``; its gradients are made whole (tied copies summed, tensor-parallel layouts) and
+parked until Lightning's ``backward``; the loss is shared to every rank, logged and checked for NaN; the step is
+measured when asked (``measure_every_n_steps``)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from ..contract.hooks import training_batch
+from ..layout.tensor_parallel import grads_like_params
+from ..runtime.measure import check_every_n_steps, measure_now, step_stats
+from ..runtime.pipeline import PipelineRunner, batch_rows
+from ..runtime.reduce import share_from_ranks
+from ..schedule.dims import ParallelDims
+from .handover import GradHandover
+from .nonfinite import NonfiniteLoss
+
+
+class TrainingStep:
+    """What a training step keeps between Lightning's hooks: the parked gradients, the NaN policy, and the last
+    measured step's numbers (``step_stats``, ``measured_step``)."""
+
+    def __init__(self, measure_every_n_steps: int | None, nonfinite_loss: str, max_consecutive_skips: int) -> None:
+        self.measure_every_n_steps = check_every_n_steps(measure_every_n_steps)
+        self.nonfinite = NonfiniteLoss(nonfinite_loss, max_consecutive_skips)
+        self.handover = GradHandover()  # gradients from the schedule in training_step, handed over in backward
+        self.step_stats: dict[str, Any] = {}  # of the last measured step
+        self.measured_step = False  # whether the last training step was measured
+
+    def run(self, module: LightningModule, runner: PipelineRunner, batch: Any, batch_idx: int | None, *,
+            dims: ParallelDims, device: torch.device, tied: Any, optimizers: list,
+            step_context: Callable[[], AbstractContextManager], check_batch: Callable[[Any, bool], None],
+            on_last_stage: Callable[[Callable[[], Any]], Any]) -> torch.Tensor:
+        """One optimizer step's schedule on `batch`; returns the loss every rank logs. `check_batch(batch, measured)`
+        compares the batch across a replica's ranks when due; `on_last_stage(fn)` runs the user's
+        ``pipeline_train_metrics`` where the outputs are."""
+        inputs, target = training_batch(module, batch)
+        params = [p for p in module.parameters() if p.requires_grad]
+        train_metrics = getattr(module, "pipeline_train_metrics", None)
+        self.measured_step = measure = measure_now(module.trainer, self.measure_every_n_steps)
+        check_batch((inputs, target), measure)
+        # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
+        with self.handover.capture(params):
+            with step_context():
+                loss, outputs = runner.train_step(inputs, target, keep_outputs=callable(train_metrics), measure=measure)
+            if tied:
+                tied.sum_gradients()
+            if dims.tensor_parallel > 1:
+                grads_like_params(params)
+        loss = share_from_ranks(loss, dims.data_parallel * dims.tensor_parallel, device)  # from the last-stage ranks
+        if measure:
+            self.step_stats = step_stats(runner, params, self.handover.grads(), optimizers, device)
+        module.log("train_loss", loss, prog_bar=True, batch_size=batch_rows(inputs))
+        if callable(train_metrics):
+            with torch.no_grad():
+                on_last_stage(lambda: train_metrics(outputs, target))
+        # the shared loss: on a NaN/inf every rank takes this branch together, before the optimizer step
+        if not self.nonfinite.keep(loss, module, batch_idx):
+            self.handover.drop()  # backward hands nothing over; parameters without gradients are not stepped
+        return loss  # (even a skipped step's: Lightning refuses a None step output in distributed runs)
+
+    def hand_over(self, accumulate_grad_batches: int) -> None:
+        """In Lightning's ``backward``: the parked gradients, divided as Lightning divides an accumulated loss."""
+        self.handover.hand_over(1.0 / accumulate_grad_batches)

@@ -2,10 +2,11 @@
 
 May import: nothing else of the package, no third-party package (the standard library only).
 
->>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
->>> sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2))
->>> [str(a) for a in sched.compute_actions(0)]
-['0F0', '0F1', '2F0', '2F1', '2B0', '2B1', '0B0', '0B1']
+Examples:
+    >>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
+    >>> sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=2))
+    >>> [str(a) for a in sched.compute_actions(0)]
+    ['0F0', '0F1', '2F0', '2F1', '2B0', '2B1', '0B0', '0B1']
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@ calibrated-cluster format (``calibration``).
 
 May import: ``schedule``; matplotlib (pictures) and PyYAML (cluster files) besides the standard library.
 
->>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
->>> from lightning_bfpp.sim import simulate, unit_costs
->>> sched = build_schedule(ScheduleSpec("gpipe", pipeline_parallel=2, micro_batches=4))
->>> round(simulate(sched, unit_costs(2, 2)).bubble, 6)  # (pp - 1) / m
-0.25
+Examples:
+    >>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule
+    >>> from lightning_bfpp.sim import simulate, unit_costs
+    >>> sched = build_schedule(ScheduleSpec("gpipe", pipeline_parallel=2, micro_batches=4))
+    >>> round(simulate(sched, unit_costs(2, 2)).bubble, 6)  # (pp - 1) / m
+    0.25
 """
 
 from .cluster import Cluster, LayerTimes

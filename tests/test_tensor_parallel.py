@@ -6,16 +6,13 @@ dp2 x tp2)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import run_tp
 import torch
 from gpt import GPT
-from launch import ROOT, clean_env, free_port
+from launch import ROOT, Launches
 from lightning.pytorch import Trainer
 
 from lightning_bfpp import BFPPStrategy
@@ -47,7 +44,8 @@ WORLD4 = {
     "pp2-tp2-loops2-clip-ac-tied-sp": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "clip": 0.05, "ac": True, "tied": True,
                                        "sp": True},
     "pp2-tp2-sp-bf16": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "precision": "bf16-mixed", "sp": True},
-    "save-sp": {"pp": 2, "tp": 2, "m": 2, "sp": True, "opt": "adamw", "steps": 4, "save_every": 2, "save_dir": "{out}/sp"},
+    "save-sp": {"pp": 2, "tp": 2, "m": 2, "sp": True, "opt": "adamw", "steps": 4, "save_every": 2,
+                "save_dir": "{out}/sp"},
     "resume-no-sp": {"pp": 1, "tp": 2, "m": 2, "opt": "adamw", "steps": 4, "resume": "{out}/sp/step=2.ckpt"},
 }
 WORLD8 = {
@@ -59,29 +57,17 @@ WORLD8 = {
 }
 
 
-def _launch(out: Path, devices: int, configs: dict[str, dict]) -> dict[str, list[dict]]:
-    filled = [{k: v.format(out=out) if isinstance(v, str) else v for k, v in c.items()} for c in configs.values()]
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "run_tp.py"), str(out), str(devices), json.dumps(filled)],
-                       env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-6000:]
-    return {name: [torch.load(out / f"cfg{i}" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
-            for i, name in enumerate(configs)}
+def _plan(devices: int, out: Path) -> tuple[int, dict[str, dict]]:
+    """WORLD4 or WORLD8, their checkpoint folders ("{out}") in the launch's own folder."""
+    configs = {4: WORLD4, 8: WORLD8}[devices]
+    return devices, {name: {k: v.format(out=out) if isinstance(v, str) else v for k, v in c.items()}
+                     for name, c in configs.items()}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    cache: dict[int, dict] = {}
-
-    def get(devices: int) -> dict[str, list[dict]]:
-        if devices not in cache:
-            out = tmp_path_factory.mktemp(f"tp{devices}")
-            cache[devices] = _launch(out, devices, {4: WORLD4, 8: WORLD8}[devices])
-            get.out[devices] = out
-        return cache[devices]
-
-    get.out = {}
-    return get
+def runs(tmp_path_factory) -> Launches:
+    """tests/run_tp.py on 4 or 8 processes: `runs(devices)[config name]`."""
+    return Launches(tmp_path_factory, _plan, script=ROOT / "tests" / "run_tp.py", timeout=600)
 
 
 def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | None = None, tied: bool = False,
@@ -129,12 +115,13 @@ TRAINED = [(4, n) for n, c in WORLD4.items() if c.get("opt") != "adamw" and "pre
 TRAINED += [(8, n) for n in WORLD8]
 
 
-@pytest.mark.parametrize("devices,name", [(d, n) if d == 4 else pytest.param(d, n, marks=pytest.mark.slow) for d, n in TRAINED],
-                         ids=[f"w{d}-{n}" for d, n in TRAINED])
+@pytest.mark.parametrize("devices,name", [(d, n) if d == 4 else pytest.param(d, n, marks=pytest.mark.slow)
+                                          for d, n in TRAINED], ids=[f"w{d}-{n}" for d, n in TRAINED])
 def test_matches_one_process(runs, devices, name):
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     ranks = runs(devices)[name]
-    _compare(ranks, reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False)), EXACT)
+    ref = reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False))
+    _compare(ranks, ref, EXACT)
     # the blocks' matrices are split over tensor parallel (tied: embedding and head stay whole)
     split = set(ranks[0]["tp_split"]) | set(ranks[-1]["tp_split"])
     assert "blocks.1.q.weight" in split or "blocks.0.q.weight" in split, split
@@ -158,7 +145,8 @@ def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
 
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     c = run_tp.model_config()
-    layers = Model(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size).layers(None, cfg["tp"], cfg.get("sp", False))
+    model = Model(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size)
+    layers = model.layers(None, cfg["tp"], cfg.get("sp", False))
     micro_batch = BATCH // _dp(devices, cfg) // cfg["m"]
     expected = message_bytes(layers, micro_batch, cfg["tp"], cfg.get("sp", False), activation_bytes=4)
     sent = [r["message_bytes"] for r in runs(devices)[name]]
@@ -183,7 +171,7 @@ def test_export_of_a_tensor_parallel_checkpoint_is_one_plain_file(runs, tmp_path
 
     ranks = runs(4)["save-tp2"]
     out = tmp_path / "model.ckpt"
-    state = export(runs.out[4] / "tp2" / "step=4.ckpt", out)
+    state = export(runs(4).out / "tp2" / "step=4.ckpt", out)
     params = {n: t for r in ranks for n, t in r["params"].items()}
     assert set(state) == set(params)
     assert all(torch.equal(state[n], params[n]) for n in params)
@@ -205,7 +193,8 @@ def test_bytes_per_rank_are_one_over_pp_dp_tp(runs):
 
 # ---- settings refused before launch (no processes) ----
 def test_tensor_parallel_must_fit_a_node_and_the_world():
-    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide the processes per node devices=4.*\[1, 2, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"tensor_parallel=3 must divide the processes per node devices=4.*\[1, 2, 4\]"):
         ParallelDims(world=4, devices_per_node=4, tensor_parallel=3).validate()
     with pytest.raises(ValueError, match=r"pipeline_parallel x tensor_parallel = 4 x 2 must divide the world size 4"):
         ParallelDims(world=4, devices_per_node=4, tensor_parallel=2,
@@ -243,7 +232,8 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
 
     from lightning_bfpp.layout.tensor_parallel import check_sequence_length
 
-    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the sequence .* tensor_parallel=1: set tensor_parallel > 1"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the sequence .* tensor_parallel=1: "
+                                         r"set tensor_parallel > 1"):
         BFPPStrategy(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"sequence_parallel='yes' must be True, False or None"):
         BFPPStrategy(tensor_parallel=2, sequence_parallel="yes")
@@ -262,7 +252,8 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
         None if name == "blocks.1" else GPT.pipeline_tp_plan(model, name, layer, tp, sequence_parallel))
     with pytest.raises(ValueError, match=r"returned no plan, so blocks.1 would run on a sequence shard"):
         layer_plans(model, layers, 2, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"shape \(2, 7\)\) over tensor_parallel=2 ranks, and its length 7 does not divide"):
+    with pytest.raises(ValueError,
+                       match=r"shape \(2, 7\)\) over tensor_parallel=2 ranks, and its length 7 does not divide"):
         check_sequence_length((torch.zeros(2, 7, dtype=torch.long),), 2)
     check_sequence_length(torch.zeros(2, 8, dtype=torch.long), 2)
 
@@ -281,7 +272,8 @@ class _Collectives:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace == "_c10d_functional" and func._opname not in ("wait_tensor", "_wrap_tensor_autograd"):
+                counted = func._opname not in ("wait_tensor", "_wrap_tensor_autograd")
+                if func.namespace == "_c10d_functional" and counted:
                     counts[func._opname] += 1
                 return func(*args, **(kwargs or {}))
 

@@ -15,6 +15,7 @@ from procenv import free_port
 from lightning_bfpp.layout.mesh import DP, PP, TP, build_mesh
 
 WORLD = 4
+LAYOUTS = ((2, 1), (1, 2), (2, 2), (4, 1))  # (pipeline_parallel, tensor_parallel) built by every rank
 
 
 def _threads() -> int:
@@ -26,7 +27,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         found = {}
-        for pp, tp in ((2, 1), (1, 2), (2, 2), (4, 1)):
+        for pp, tp in LAYOUTS:
             names = (PP, DP, TP) if tp > 1 else (PP, DP)
             ours = build_mesh("cpu", pp, WORLD, timeout=timedelta(seconds=60), tensor_parallel=tp)
             torch_s = build_mesh("cpu", pp, WORLD, tensor_parallel=tp)  # init_device_mesh
@@ -62,10 +63,11 @@ def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
     out = manager.dict()
     mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
     for rank in range(WORLD):
-        for key, dims in out[rank].items():
-            if len(key) == 2:
-                assert all(ours == theirs for ours, theirs in dims), (rank, key, dims)
-                assert rank in dims[0][0]
+        layouts = {key: dims for key, dims in out[rank].items() if len(key) == 2}  # (pp, tp): each mesh dim's groups
+        assert sorted(layouts) == sorted(LAYOUTS), (rank, sorted(layouts))
+        for key, dims in layouts.items():
+            assert all(ours == theirs for ours, theirs in dims), (rank, key, dims)
+            assert rank in dims[0][0]
         assert out[rank][(2, 2, "sum")] == 2.0 and out[rank][(1, 2, "sum")] == 2.0
     assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]
     # building the same layout again (every Trainer run does) creates no new groups, so no new gloo threads

@@ -265,7 +265,7 @@ def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
     assert "data.batch_size=6 (global, per optimizer step) must be divisible by" in proc.stdout + proc.stderr
 
 
-# ---- run directories (issue 19): never shared by two runs ----
+# ---- run directories: never shared by two runs ----
 import run_dir as rundir  # noqa: E402
 
 

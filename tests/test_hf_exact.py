@@ -127,7 +127,8 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
 
 def test_rotary_model_trains_under_sharded_bf16_mixed(runs):
     """Llama at pp=2 x loops=2 x dp=2, precision="bf16-mixed": each step's loss within 2% of the fp32 model's
-    (a rotary model failed here: fp32 cos/sin made q and k fp32 beside a bf16 v in sdpa)."""
+    (the rotary cos/sin, side inputs, follow the stage's bf16: fp32 ones would make q and k fp32 beside a bf16 v, and
+    sdpa takes one dtype)."""
     _, losses = reference("llama", 2)
     got = runs(4)[len(RUNS[4])][-1]["losses"]
     assert len(got) == len(losses)

@@ -250,7 +250,7 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
     block = {k: type(v).__name__ for k, v in plans[id(model.blocks[0])][2].items()}
     assert block["ln_1"] == block["ln_2"] == "GatheredSequenceParallel" and block["proj"] == "RowwiseParallel"
     assert plans[id(model.blocks[0])][2]["proj"].output_layouts[0].is_shard(1)  # reduce-scattered to sequence shards
-    # a plan written before sequence parallel (no such argument) is not silently used with shards
+    # a plan that takes no sequence_parallel argument is not silently used with shards
     model.pipeline_tp_plan = lambda name, layer, tp: GPT.pipeline_tp_plan(model, name, layer, tp)
     with pytest.raises(TypeError, match=r"takes no `sequence_parallel` argument.*or set sequence_parallel=False"):
         layer_plans(model, layers, 2, sequence_parallel=True)
@@ -267,8 +267,8 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
 
 class _Collectives:
     """Counts the functional collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, ...) dispatched
-    while active. (torch's CommDebugMode counts the same, but its module tracker's global hooks outlived a failed
-    forward and broke every later module call in the process.)"""
+    while active. (torch's CommDebugMode counts the same, but its module tracker's global hooks outlive a failed
+    forward and break every later module call in the process.)"""
 
     def __init__(self) -> None:
         from collections import Counter

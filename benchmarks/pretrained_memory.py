@@ -1,4 +1,4 @@
-"""Per-rank peak host memory while a pretrained Hugging Face model is built and loaded under bfpp (issue 38).
+"""Per-rank peak host memory while a pretrained Hugging Face model is built and loaded under bfpp.
 
 Saves a random-init Llama of ~100 M parameters in bf16 with save_pretrained (as pretrained checkpoints usually are),
 then starts it in fp32 (Lightning's 32-true and bf16-mixed keep fp32 weights) at pp=2 x loops=2 on 2 processes
@@ -38,9 +38,10 @@ def save_model(directory: Path, small: bool) -> int:
 
     torch.manual_seed(0)
     layers, width = (4, 256) if small else (8, 768)
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=width * 8 // 3 // 64 * 64,
-                                   num_attention_heads=width // 64, num_key_value_heads=width // 128, vocab_size=32000,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width,
+                                   intermediate_size=width * 8 // 3 // 64 * 64, num_attention_heads=width // 64,
+                                   num_key_value_heads=width // 128, vocab_size=32000, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)  # as pretrained checkpoints are usually stored
     model.save_pretrained(directory)
     return sum(p.numel() * 4 for p in model.parameters())  # trained in fp32
@@ -71,9 +72,10 @@ def worker(mode: str, directory: str, out: str) -> None:
     else:
         model = CausalLM.from_pretrained(directory)
     tokens = torch.randint(0, 32000, (8, 17), generator=torch.Generator().manual_seed(0))  # the same in every process
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=BFPPStrategy(pipeline_parallel=2, loops=2, micro_batches=2),
-                      max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[Report()])
+    trainer = Trainer(accelerator="cpu", devices=2,
+                      strategy=BFPPStrategy(pipeline_parallel=2, loops=2, micro_batches=2), max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Report()])
     trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4))
 
 
@@ -93,13 +95,14 @@ def main() -> None:
                            stdout=subprocess.DEVNULL)
             for rank in (0, 1):
                 r = json.loads(Path(out, f"{mode}-rank{rank}.json").read_text())
-                rows.append({"mode": mode, "rank": rank, "added_mb": (r["after"] - r["before"]) / MB, "before_mb": r["before"] / MB,
-                             "held_mb": r["held"] / MB})
+                rows.append({"mode": mode, "rank": rank, "added_mb": (r["after"] - r["before"]) / MB,
+                             "before_mb": r["before"] / MB, "held_mb": r["held"] / MB})
     print(f"model: {size / MB:.0f} MB of fp32 parameters (stored in bf16), pp=2 x loops=2 on 2 processes")
-    print(f"{'mode':8}{'rank':>5}{'held MB':>10}{'peak before MB':>16}{'peak added MB':>15}{'÷ model':>9}{'÷ held':>8}")
+    print(f"{'mode':8}{'rank':>5}{'held MB':>10}{'peak before MB':>16}{'peak added MB':>15}{'÷ model':>9}"
+          f"{'÷ held':>8}")
     for r in rows:
-        print(f"{r['mode']:8}{r['rank']:>5}{r['held_mb']:>10.0f}{r['before_mb']:>16.0f}{r['added_mb']:>15.0f}{r['added_mb'] * MB / size:>9.2f}"
-              f"{r['added_mb'] / r['held_mb']:>8.2f}")
+        print(f"{r['mode']:8}{r['rank']:>5}{r['held_mb']:>10.0f}{r['before_mb']:>16.0f}{r['added_mb']:>15.0f}"
+              f"{r['added_mb'] * MB / size:>9.2f}{r['added_mb'] / r['held_mb']:>8.2f}")
     eager = max(r["added_mb"] for r in rows if r["mode"] == "eager")
     staged = max(r["added_mb"] for r in rows if r["mode"] == "staged")
     print(f"largest rank's added peak, staged ÷ eager: {staged / eager:.2f}")

@@ -19,21 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import common  # noqa: F401  (the repository and examples/ on sys.path)
 import torch
+from gpt import GPT, GPTConfig, OptimConfig
 from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt import GPT, GPTConfig, OptimConfig
 
 from lightning_bfpp import BFPPStrategy
 
 MICRO, M = 2, 2  # sequences per micro-batch, micro-batches per step and replica
-LAYOUTS = {"tp1": dict(tensor_parallel=1), "tp2": dict(tensor_parallel=2), "tp2+sp": dict(tensor_parallel=2, sequence_parallel=True)}
+LAYOUTS = {"tp1": dict(tensor_parallel=1), "tp2": dict(tensor_parallel=2),
+           "tp2+sp": dict(tensor_parallel=2, sequence_parallel=True)}
 
 
 class StepTimer(Callback):
@@ -65,9 +63,10 @@ def run(name: str, args) -> dict:
     model = GPT(config(args), OptimConfig(name="sgd", lr=0.01, warmup_steps=0, min_lr_ratio=1.0))
     trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=MICRO * M, drop_last=True))
     memory = strategy.step_stats["memory"]
-    return {"step_s": statistics.median(timer.steps[2:]), "message_bytes": int(strategy.step_stats["p2p_message_bytes"]),
-            "activation_peak_bytes": max(r["activation_peak_bytes"] for r in memory.values()), "rank": trainer.global_rank,
-            "data_parallel": dp}
+    return {"step_s": statistics.median(timer.steps[2:]),
+            "message_bytes": int(strategy.step_stats["p2p_message_bytes"]),
+            "activation_peak_bytes": max(r["activation_peak_bytes"] for r in memory.values()),
+            "rank": trainer.global_rank, "data_parallel": dp}
 
 
 def simulated_peaks(args) -> dict[str, float]:
@@ -81,8 +80,9 @@ def simulated_peaks(args) -> dict[str, float]:
     out = {}
     for name, layout in LAYOUTS.items():
         tp = layout["tensor_parallel"]
-        costs = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4 // (2 * tp), micro_batch_size=MICRO,
-                            micro_batches=M, tensor_parallel=tp, sequence_parallel=layout.get("sequence_parallel", False))
+        costs = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4 // (2 * tp),
+                            micro_batch_size=MICRO, micro_batches=M, tensor_parallel=tp,
+                            sequence_parallel=layout.get("sequence_parallel", False))
         out[name] = max(m.category_peak["activations"] for m in simulate(schedule, costs).memory)
     return out
 
@@ -108,11 +108,13 @@ def main() -> None:
     base, sim_base = runs["tp1"][0]["activation_peak_bytes"], sim["tp1"]
     print(f"example GPT: {args.layers} blocks, width {args.width}, {args.heads} heads, {args.seq} tokens; pp=2, "
           f"{M} micro-batches of {MICRO} sequences, fp32, 4 CPU processes")
-    print(f"{'layout':8} {'step s (median)':>16} {'message bytes':>14} {'activation peak MB':>19} {'÷ tp1':>7} {'sim ÷ tp1':>10}")
+    print(f"{'layout':8} {'step s (median)':>16} {'message bytes':>14} {'activation peak MB':>19} {'÷ tp1':>7} "
+          f"{'sim ÷ tp1':>10}")
     for name, rs in runs.items():
         step = statistics.median(r["step_s"] for r in rs)
         peak = rs[0]["activation_peak_bytes"]
-        print(f"{name:8} {step:16.3f} {rs[0]['message_bytes']:14d} {peak / 1e6:19.2f} {peak / base:7.3f} {sim[name] / sim_base:10.3f}")
+        print(f"{name:8} {step:16.3f} {rs[0]['message_bytes']:14d} {peak / 1e6:19.2f} {peak / base:7.3f} "
+              f"{sim[name] / sim_base:10.3f}")
     ratios = [sp["step_s"] / whole["step_s"] for sp, whole in zip(runs["tp2+sp"], runs["tp2"])]
     print(f"step time, tp2+sp / tp2, per alternation: {', '.join(f'{r:.3f}' for r in ratios)} "
           f"(median {statistics.median(ratios):.3f})")

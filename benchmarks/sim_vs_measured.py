@@ -1,4 +1,4 @@
-"""Calibrated simulator vs measured CPU step time, per schedule (issue 6 acceptance).
+"""Calibrated simulator vs measured CPU step time, per schedule.
 
     python benchmarks/sim_vs_measured.py                       # calibrate, run the 4 schedules, compare
     python benchmarks/sim_vs_measured.py --cluster conf/cluster/cpu_2_calibrated.yaml   # reuse a calibration
@@ -124,7 +124,8 @@ def measured_step(ranks: list[dict], warmup: int, max_wait: float) -> dict:
     use = clean if len(clean) >= 3 else rows
     return {"step_s": statistics.median(r["step_s"] for r in use),
             "compute_s": statistics.median(r["compute_s"] for r in use),
-            "clean_steps": len(clean), "steps": len(rows), "all_steps_median_s": statistics.median(r["step_s"] for r in rows),
+            "clean_steps": len(clean), "steps": len(rows),
+            "all_steps_median_s": statistics.median(r["step_s"] for r in rows),
             "per_step": [{k: round(v, 5) for k, v in r.items()} for r in rows]}
 
 
@@ -136,9 +137,12 @@ def predicted_step(cluster_cfg: dict, model_cfg: dict, cfg: dict) -> dict:
                         loops=cfg["loops"], data_parallel=cfg["devices"] // cfg["pp"],
                         micro_batch_size=cfg["micro_batch_size"], micro_batches=cfg["micro_batches"],
                         activation_bytes=4)  # 32-true run: fp32 activations on the wire
-    r = evaluate(build_schedule(ScheduleSpec(cfg["schedule"], pipeline_parallel=cfg["pp"], loops=cfg["loops"], micro_batches=cfg["micro_batches"])), costs)
+    spec = ScheduleSpec(cfg["schedule"], pipeline_parallel=cfg["pp"], loops=cfg["loops"],
+                        micro_batches=cfg["micro_batches"])
+    r = evaluate(build_schedule(spec), costs)
     return {"step_s": r.step_time, "compute_s": max(r.busy), "bubble": r.bubble, "pipeline_bubble": r.pipeline_bubble,
-            "stage_forward_s": [s.forward for s in costs.stages], "stage_backward_s": [s.backward for s in costs.stages]}
+            "stage_forward_s": [s.forward for s in costs.stages],
+            "stage_backward_s": [s.backward for s in costs.stages]}
 
 
 def main() -> None:
@@ -146,12 +150,14 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt_small")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of " + ",".join(SCHEDULES))
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help="comma-separated subset of " + ",".join(SCHEDULES))
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch (batch = m x this)")
     parser.add_argument("--steps", type=int, default=15, help="optimizer steps per schedule and round")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out (shape inference, allocator)")
-    parser.add_argument("--rounds", type=int, default=2, help="launches; the schedule order is reversed every other one")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="launches; the schedule order is reversed every other one")
     parser.add_argument("--max-wait", type=float, default=0.1,
                         help="a step counts as clean when no rank waited for a CPU more than this fraction of it")
     parser.add_argument("--cluster", default=None,

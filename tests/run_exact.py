@@ -1,19 +1,23 @@
 """Train StackNet with strategy=bfpp for several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip,
-eval (validate/test/predict after fit), opt (sgd|adamw|adamw_groups),
-save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index), own_batch (rank 1 alone changes its batch at that index),
-nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, its global step to
-pid_dir/stepR after every batch, and pid_dir/exceptionR = "<global step> <error>" when its run raises), on_signal
-(save|exit) + grace (signal_grace_s), root (default_root_dir; default OUT_DIR/cfg<i>), async_save, step_sleep (seconds per batch), tied (StackNet with its input
-projection tied to a layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
-precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local rank
-sleeps before its process group exists), meta (true: built on the meta device by trainer.init_module(empty_init=True);
-"configure_model": LateStackNet, built there on the meta device), counter (StackNet with two stateful
-parameter-free layers, in the first and the last stage; records every buffer). Every run also records "dtypes": p2p
-receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors, gradients. Rank R of config i writes
-OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes", "losses", "stats", "fsdp_trace"}.
+Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip, eval
+(validate/test/predict after fit), opt (sgd|adamw|adamw_groups), save (checkpoint folder written after fit),
+save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of
+training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch
+(an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch
+index), own_batch (rank 1 alone changes its batch at that index), nonfinite (stop|skip), pid_dir (rank R writes its
+pid to pid_dir/rankR once step 1 runs, its global step to pid_dir/stepR after every batch, and pid_dir/exceptionR =
+"<global step> <error>" when its run raises), on_signal (save|exit) + grace (signal_grace_s), root (default_root_dir;
+default OUT_DIR/cfg<i>), async_save, step_sleep (seconds per batch), tied (StackNet with its input projection tied to a
+layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
+precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s
+(that local rank sleeps before its process group exists), meta (true: built on the meta device by
+trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
+(StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer).
+Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
+gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
+"local_shapes", "losses", "stats", "fsdp_trace"}.
 Works under Lightning's own launcher (popen), torchrun and SLURM variables alike.
 """
 
@@ -21,10 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -87,7 +89,8 @@ class Record(Callback):
             batch[0] = torch.cat([batch[0], batch[0][:, :1]], dim=1)
         if batch_idx == self.cfg.get("own_batch") and trainer.global_rank == 1:  # this rank drew another batch
             batch[0] = batch[0] + 1
-        if batch_idx == self.cfg.get("nan_batch") and trainer.strategy.device_mesh["data_parallel"].get_local_rank() == 0:
+        nan_here = batch_idx == self.cfg.get("nan_batch")
+        if nan_here and trainer.strategy.device_mesh["data_parallel"].get_local_rank() == 0:
             batch[0][0, 0] = float("nan")  # one bad sample in one data-parallel replica
 
     def on_exception(self, trainer, pl_module, exception):
@@ -105,9 +108,14 @@ class Record(Callback):
         if self.cfg.get("tied"):  # this rank's copies of the tied matrix after every step
             for name, p in pl_module.named_parameters():
                 if name in ("embed.weight", "unembed.weight"):
-                    self.tied_history.setdefault(name, []).append((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone())
+                    self.tied_history.setdefault(name, []).append(_full(p))
         # gradients of the last step (Lightning's evaluation loop zeroes them before validating)
         self.grad_dtypes = {n: str(p.grad.dtype) for n, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor (gathered from its shards when it is a DTensor)."""
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
 
 
 COMM_DTYPES: set[tuple[str, str]] = set()  # (FSDP collective, dtype of the tensor it moves)
@@ -152,19 +160,21 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         stage_layers=cfg.get("stage_layers"),
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
-        on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"), async_save=cfg.get("async_save", False),
+        on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"),
+        async_save=cfg.get("async_save", False),
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]
     if cfg.get("save_every"):
-        callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}", every_n_train_steps=cfg["save_every"],
-                                         save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}",
+                                         every_n_train_steps=cfg["save_every"], save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         precision=cfg.get("precision", "32-true"),
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("clip"), logger=False,
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2, callbacks=callbacks,
+        limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2,
+        callbacks=callbacks,
         default_root_dir=cfg.get("root", out),  # never the caller's directory: a save on a signal may land there
     )
     torch.manual_seed(0)
@@ -179,7 +189,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     evaluated = {}
     COMM_DTYPES.clear()
     if cfg.get("eval_ckpt"):  # evaluate a checkpoint file in this layout, no training
-        evaluated["val_loss"] = trainer.validate(model, loader(per_replica), ckpt_path=cfg["eval_ckpt"], verbose=False)[0]["val_loss"]
+        evaluated["val_loss"] = trainer.validate(model, loader(per_replica), ckpt_path=cfg["eval_ckpt"],
+                                                 verbose=False)[0]["val_loss"]
     else:
         trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica),
                     ckpt_path=cfg.get("resume"))
@@ -189,25 +200,24 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         evaluated["val_loss"] = trainer.validate(model, loader(per_replica), verbose=False)[0]["val_loss"]
         evaluated["test_loss"] = trainer.test(model, loader(per_replica), verbose=False)[0]["test_loss"]
         evaluated["predictions"] = torch.cat(trainer.predict(model, loader(per_replica)))
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    params = {n: _full(p) for n, p in model.named_parameters()}
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in model.named_parameters()}
+    pipeline_rank = strategy.device_mesh["pipeline_parallel"].get_local_rank()
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
-        {"params": params, "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}, "local_shapes": local, "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history, "stats": strategy.step_stats,
-         "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes), **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__, "schedule_fsdp": [(a.op.value, a.stage) for a in
-                                                       strategy.schedule.fsdp_actions(strategy.device_mesh["pipeline_parallel"].get_local_rank())]},
+        {"params": params, "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}, "local_shapes": local,
+         "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history,
+         "stats": strategy.step_stats, "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes),
+         **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__,
+         "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)]},
         out / f"rank{trainer.global_rank}.pt",
     )
 
 
-def main() -> None:
-    out, devices, configs = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    torch.set_num_threads(1)
-    _record_fsdp_comm_dtypes()
-    for i, cfg in enumerate(configs):
-        run(cfg, devices, out / f"cfg{i}")
-
-
 if __name__ == "__main__":
-    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a test may ask a process that outlives its budget where it is
-    main()
+    from launch import run_configs
+
+    # a test may ask a process that outlives its budget where it is
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    _record_fsdp_comm_dtypes()
+    run_configs(run)

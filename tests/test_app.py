@@ -21,12 +21,14 @@ from lightning_bfpp.checkpoint import read_meta
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train.py"
 CONF = ROOT / "conf"
-FAST = ["trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
+FAST = ["trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.enable_progress_bar=false",
+        "data.max_bytes=400000"]
 SUMMARY_KEYS = {"train_loss", "val_loss", "tokens_per_s", "bubble_fraction", "schedule", "pipeline_parallel",
                 "data_parallel", "loops", "micro_batches", "world_size", "steps"}
 
 
-def run_cli(args: list[str], cwd: Path, launcher: list[str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(args: list[str], cwd: Path, launcher: list[str] | None = None,
+            timeout: int = 300) -> subprocess.CompletedProcess:
     env = clean_env()
     cmd = (launcher or [sys.executable]) + [str(TRAIN), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -88,7 +90,8 @@ def wandb_history(run_dir: Path) -> list[dict]:
     rows = []
     for rec in read_wandb_offline(run_file):
         if rec.WhichOneof("record_type") == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item})
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in rec.history.item})
     return rows
 
 
@@ -107,7 +110,9 @@ def test_schedule_keys_are_strategy_arguments():
     from lightning_bfpp import BFPPStrategy
 
     params = set(inspect.signature(BFPPStrategy).parameters)
-    for path in (CONF / "schedule").glob("*.yaml"):
+    schedules = sorted((CONF / "schedule").glob("*.yaml"))
+    assert schedules, CONF / "schedule"
+    for path in schedules:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose("train", overrides=[f"schedule={path.stem}"])
         keys = set(cfg.schedule) - {"name"} | {"schedule"}
@@ -260,7 +265,7 @@ def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
     assert "data.batch_size=6 (global, per optimizer step) must be divisible by" in proc.stdout + proc.stderr
 
 
-# ---- run directories (issue 19): never shared by two runs ----
+# ---- run directories: never shared by two runs ----
 import run_dir as rundir  # noqa: E402
 
 
@@ -330,7 +335,8 @@ def test_trainer_keys_reach_the_trainer():
     import train
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=["+trainer.max_epochs=1", "+trainer.deterministic=true", "trainer.max_steps=50"])
+        cfg = compose("train",
+                      overrides=["+trainer.max_epochs=1", "+trainer.deterministic=true", "trainer.max_steps=50"])
     kwargs = train.trainer_arguments(cfg)
     assert kwargs["max_epochs"] == 1 and kwargs["deterministic"] is True and "strategy" not in kwargs
     assert kwargs["val_check_interval"] == 50 and kwargs["num_sanity_val_steps"] == 0  # capped at max_steps

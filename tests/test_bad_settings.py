@@ -53,7 +53,7 @@ ROWS = [
     ("zero_devices", ["cluster.devices=0"], "cluster.devices"),
     ("heads_not_dividing_width", ["model.n_head=3"], "model.n_head"),
     ("zero_max_steps", ["trainer.max_steps=0"], "trainer.max_steps"),
-    # used to fail only after the processes started (issue 19), or to NaN at step 1
+    # refused before any process starts (not a NaN loss at step 1)
     ("negative_lr", ["optim.lr=-1"], "optim.lr=-1"),
     ("corpus_shorter_than_a_window", ["data.max_bytes=50"], "data.max_bytes=50"),
     ("fp16_without_loss_scaling", ["trainer.precision=16-true"], "trainer.precision='16-true'"),
@@ -119,7 +119,8 @@ def results(request, tmp_path_factory) -> dict[str, Result]:
     baseline = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(TRAIN.parent)!r}); import train"]
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {BASELINE: pool.submit(_run, baseline, root / BASELINE)}  # in the first batch of 4
-        futures.update({name: pool.submit(_train, overrides, root / name) for name, overrides, _ in ROWS if name in selected})
+        futures.update({name: pool.submit(_train, overrides, root / name)
+                        for name, overrides, _ in ROWS if name in selected})
         if TORCHRUN_ROW[0] in selected:
             futures[TORCHRUN_ROW[0]] = pool.submit(_train, TORCHRUN_ROW[1], root / TORCHRUN_ROW[0], TORCHRUN)
         return {name: future.result() for name, future in futures.items()}
@@ -156,8 +157,9 @@ def test_the_table_covers_enough_settings():
     assert len(ROWS) >= 10 and len({name for name, _, _ in ROWS}) == len(ROWS)
 
 
-@pytest.mark.parametrize("name, overrides, setting", [row if row[0] in FAST else pytest.param(*row, marks=pytest.mark.slow)
-                                                      for row in ROWS], ids=[row[0] for row in ROWS])
+@pytest.mark.parametrize("name, overrides, setting",
+                         [row if row[0] in FAST else pytest.param(*row, marks=pytest.mark.slow) for row in ROWS],
+                         ids=[row[0] for row in ROWS])
 def test_bad_setting_fails_fast_naming_the_setting(results, name, overrides, setting):
     r = results[name]
     tail = "\n".join(r.output.splitlines()[-15:])
@@ -209,10 +211,12 @@ CHECKS = [  # (overrides, what the error must say)
     (["+trainer.devices=2"], "trainer.devices=2 is set by examples/train.py from cluster.devices"),
     (["+trainer.logger=false"], "from logger=wandb|csv|none"),
     (["+trainer.enable_checkpointing=false"], "checkpoint.last=false"),
-    (["+trainer.max_epoch=1"], "trainer.max_epoch=1 is not an argument of lightning.Trainer; did you mean trainer.max_epochs?"),
+    (["+trainer.max_epoch=1"],
+     "trainer.max_epoch=1 is not an argument of lightning.Trainer; did you mean trainer.max_epochs?"),
     (["trainer.strategy=ddp"], "trainer.strategy='ddp': use trainer.strategy=bfpp"),
     # accepted without a word, or failing only after the processes started (a user's try)
-    (["trainer.max_steps=-1"], "trainer.max_steps=-1 must be a positive integer, or -1 (no step limit) with +trainer.max_epochs=N"),
+    (["trainer.max_steps=-1"],
+     "trainer.max_steps=-1 must be a positive integer, or -1 (no step limit) with +trainer.max_epochs=N"),
     (["schedule=base"], "schedule=base holds the knobs every schedule shares, it is not a schedule"),
     (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be a number of batches >= 1"),
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
@@ -261,8 +265,9 @@ def test_a_gpu_cluster_without_a_gpu_names_the_cluster(monkeypatch):
         check_config(_compose(["cluster=gpu_8"]))
 
 
-@pytest.mark.parametrize("overrides", [["data.max_bytes=50"], ["data.max_bytes=30000"], ["data.max_bytes=9000", "data.batch_size=64"],
-                                       ["data.max_bytes=3000", "cluster=cpu_1", "schedule.pipeline_parallel=1", "data.stride=7"]])
+@pytest.mark.parametrize("overrides", [
+    ["data.max_bytes=50"], ["data.max_bytes=30000"], ["data.max_bytes=9000", "data.batch_size=64"],
+    ["data.max_bytes=3000", "cluster=cpu_1", "schedule.pipeline_parallel=1", "data.stride=7"]])
 def test_the_corpus_size_the_error_suggests_is_enough(overrides):
     """`use data.max_bytes=N or more`: N passes, N - 1 does not (the suggestion is the least that works)."""
     with pytest.raises(ConfigError) as err:

@@ -1,8 +1,8 @@
 """A checkpoint folder written by an earlier version of the package still resumes exactly.
 
-tests/data/pre_move/step-2.ckpt was written by the app before the package moved into folders (issue 31), with
-the command in tests/data/pre_move/README.md; summary.json is that run's summary at step 2. Today's code resumes
-it to step 4 and must end with the weights of an uninterrupted 4-step run.
+tests/data/pre_move/step-2.ckpt was written by the app with the package's flat module layout (before its modules
+moved into folders), with the command in tests/data/pre_move/README.md; summary.json is that run's summary at step 2.
+Today's code resumes it to step 4 and must end with the weights of an uninterrupted 4-step run.
 """
 
 from __future__ import annotations
@@ -48,4 +48,4 @@ def test_checkpoint_written_before_the_move_resumes_exactly(tmp_path):
     b = ckpt.export(resumed / "checkpoints" / "last.ckpt", tmp_path / "resumed.pt")
     assert a.keys() == b.keys() and len(a) > 0
     for name, tensor in a.items():
-        torch.testing.assert_close(b[name], tensor, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b[name], tensor, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

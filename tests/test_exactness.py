@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from exact_model import reference, reference_eval
-from launch import run_lightning, run_slurm, run_torchrun
+from launch import Launches, run_slurm, run_torchrun
 
 TOL = 1e-6
 STEPS, BATCH = 3, 16
@@ -83,25 +83,17 @@ def _id(devices: int, cfg: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Launch each world size once (Lightning's own popen launcher), lazily."""
-    cache: dict[int, list] = {}
-
-    def get(devices: int):
-        if devices not in cache:
-            configs = {1: WORLD1, 2: WORLD2, 4: WORLD4}[devices]
-            cache[devices] = run_lightning(tmp_path_factory.mktemp(f"w{devices}"), devices, configs)
-        return cache[devices]
-
-    return get
+def runs(tmp_path_factory) -> Launches:
+    """Each world size's configs in one launch (Lightning's own launcher): `runs(devices)[index]`."""
+    return Launches(tmp_path_factory, lambda devices, out: (devices, {1: WORLD1, 2: WORLD2, 4: WORLD4}[devices]))
 
 
 def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None:
     pp = cfg.get("pp", 1)
     dp = devices // pp
     ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"),
-                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False), counter=cfg.get("counter", False),
-                                       meta=cfg.get("meta", False))
+                                       opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False),
+                                       counter=cfg.get("counter", False), meta=cfg.get("meta", False))
     ref_params = {n: t for n, t in ref_params.items() if not n.startswith("counters.")}  # buffers: test_layer_state
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}
@@ -153,7 +145,8 @@ def test_layer_state_is_updated_once_per_micro_batch_and_never_by_shape_inferenc
     ranks = runs(2)[WORLD2.index(cfg)]
     state, _ = reference(STEPS, BATCH, 1, counter=True)
     buffers = {n: b for r in ranks for n, b in r["buffers"].items()}  # each rank holds its own stages' layers
-    assert {n for n in buffers if n.startswith("counters.")} == {f"counters.{i}.{b}" for i in range(2) for b in ("calls", "input_sum", "one")}
+    assert {n for n in buffers if n.startswith("counters.")} == {
+        f"counters.{i}.{b}" for i in range(2) for b in ("calls", "input_sum", "one")}
     for i in range(2):
         assert buffers[f"counters.{i}.calls"].item() == STEPS * cfg["m"]  # the whole batch, in m micro-batches
         got, expected = buffers[f"counters.{i}.input_sum"].item(), state[f"counters.{i}.input_sum"].item()
@@ -207,13 +200,15 @@ def test_step_stats_hold_every_ranks_timeline(runs):
         for key in ("bubble_fraction", "compute_s", "step_s"):
             assert ranks[0]["stats"][key] == max(t[key] for t in table.values()), key
         for t in table.values():
-            assert 0 < t["compute_s"] <= t["step_s"] and t["bubble_fraction"] == (t["step_s"] - t["compute_s"]) / t["compute_s"]
+            assert 0 < t["compute_s"] <= t["step_s"]
+            assert t["bubble_fraction"] == (t["step_s"] - t["compute_s"]) / t["compute_s"]
 
 
 def test_activation_meter_does_not_count_fsdp_gathered_weights(runs):
     """Weights FSDP gathers and autograd saves (e.g. `weight.t()`) are parameters, not activations:
     the same activation bytes per rank with and without sharding."""
-    full, none = (runs(4)[next(i for i, c in enumerate(WORLD4) if c.get("id") == key)] for key in ("act-full", "act-none"))
+    full, none = (runs(4)[next(i for i, c in enumerate(WORLD4) if c.get("id") == key)]
+                  for key in ("act-full", "act-none"))
     for rank in range(4):
         a = full[0]["stats"]["memory"][rank]["activation_peak_bytes"]
         b = none[0]["stats"]["memory"][rank]["activation_peak_bytes"]

@@ -69,7 +69,7 @@ def test_wrapper_layers_keep_the_models_own_names(register_wrappers):
     assert names == [["hf.wte"], ["hf.blocks.0"], ["hf.blocks.1"], ["hf.head"]]
     local, _ = split_stages(model, model.pipeline_layers(), 4, [0, 3], lambda s: s % 2)
     assert set(local[0].state_dict()) == {"hf.wte.weight"} and set(local[3].state_dict()) == {"hf.head.weight"}
-    # each parameter has one name in the LightningModule's state dict (the wrappers' slots no longer register)
+    # each parameter has one name in the LightningModule's state dict (the wrappers' slots do not register)
     assert set(model.state_dict()) == {"hf.wte.weight", "hf.head.weight"}
 
 
@@ -78,7 +78,8 @@ def test_side_inputs_reach_the_layers_that_take_them_and_the_pipeline_equals_the
     model = Wrapped(register_wrappers=False)
     ids = torch.randint(0, 10, (2, 3))
     plain = model.pipeline_forward(ids)
-    expected = model.hf.head(model.hf.blocks[1](model.hf.blocks[0](model.hf.wte(ids) + torch.arange(3)[None, :, None]) * 0.5) * 0.5)
+    embedded = model.hf.wte(ids) + torch.arange(3)[None, :, None]
+    expected = model.hf.head(model.hf.blocks[1](model.hf.blocks[0](embedded) * 0.5) * 0.5)
     torch.testing.assert_close(plain, expected)
     local, _ = split_stages(model, model.pipeline_layers(), 2, [0, 1], lambda s: s)
     h = local[0](ids, bfpp_input=ids)
@@ -91,7 +92,8 @@ def test_a_nested_output_at_a_stage_boundary_names_the_layer_and_the_rule():
             return x, (x, x)
 
     stage = StageModule([("pair", Pair())], index=1, rank=1, last=False)
-    with pytest.raises(TypeError, match=r"layer pair, the last of stage 1 .* returned tuple\(float32\[2\], tuple\(.*pipeline_side_inputs"):
+    with pytest.raises(TypeError, match=r"layer pair, the last of stage 1 .* returned "
+                                        r"tuple\(float32\[2\], tuple\(.*pipeline_side_inputs"):
         stage(torch.zeros(2))
 
 

@@ -4,9 +4,7 @@ into the plain HF class with strict=True (no key map)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,16 +12,17 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
-from launch import ROOT, clean_env
-from procenv import free_port
+from launch import ROOT, Launches
 from run_hf_exact import LR, SEQ, WIDTH, hf_model, lightning_batches
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli
 
+WORKER = ROOT / "tests" / "run_hf_exact.py"
 TOL = 1e-6
 STEPS, BATCH = 3, 8
 # pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
-CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True}, {"family": "gpt2", "attn": "eager"}]
+CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True},
+           {"family": "gpt2", "attn": "eager"}]
 # saved with save_pretrained (Llama in several shards, Qwen2 tied), loaded with CausalLM.from_pretrained per stage
 PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True}]
 RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED], 4: [*CONFIGS, *PRETRAINED]}  # devices 2: dp 1; 4: dp 2
@@ -34,13 +33,15 @@ TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp
     "sp": (4, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True},
                {"family": "qwen2", "tp": 2, "kv_heads": 2, "sp": True}]),
     "slow": (4, [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
-                 {"family": "mistral", "tp": 2, "kv_heads": 2}, {"family": "mistral", "tp": 2, "kv_heads": 2, "sp": True},
+                 {"family": "mistral", "tp": 2, "kv_heads": 2},
+                 {"family": "mistral", "tp": 2, "kv_heads": 2, "sp": True},
                  {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "precision": "bf16-mixed"}]),
     "dp2": (8, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True}, {"family": "qwen2", "tp": 2, "kv_heads": 2}]),
 }
 TP_RUNS = [(launch, i, c) for launch, (_, configs) in TP_LAUNCHES.items() for i, c in enumerate(configs)
            if "precision" not in c]
-# sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow (docs/precision.md: tolerance)
+# sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow
+# (docs/precision.md: tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
 BF16_REL = 0.02
 
@@ -73,32 +74,36 @@ def reference(family: str, data_parallel: int, tie: bool | None = None, attn: st
     return model, losses
 
 
-def launch(out, devices: int, configs: list[dict]) -> list[list[dict]]:
-    """tests/run_hf_exact.py on `devices` processes; every config's per-rank records."""
-    cmd = [sys.executable, str(ROOT / "tests" / "run_hf_exact.py"), str(out), str(devices), json.dumps(configs)]
-    res = subprocess.run(cmd, env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT, capture_output=True, text=True,
-                         timeout=400)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    return [[torch.load(out / f"cfg{i}" / f"rank{r}.pt") for r in range(devices)] for i in range(len(configs))]
+def _data_parallel_plan(devices: int, out: Path) -> tuple[int, list[dict]]:
+    """RUNS[devices] (pretrained models saved into `out` first); on 4 processes also BF16, the first config saving
+    its checkpoint to out/ckpt."""
+    configs = [dict(c) for c in RUNS[devices]] + ([dict(BF16)] if devices == 4 else [])
+    for c in configs:
+        if c.get("pretrained"):
+            c["pretrained"] = str(saved_model(out, c["family"]))
+    if devices == 4:
+        configs[0]["save"] = str(out / "ckpt")
+    return devices, configs
+
+
+def _tensor_parallel_plan(name: str, out: Path) -> tuple[int, list[dict]]:
+    """TP_LAUNCHES[name]; in "slow" the first config saves its checkpoint to out/ckpt."""
+    devices, configs = TP_LAUNCHES[name][0], [dict(c) for c in TP_LAUNCHES[name][1]]
+    if name == "slow":
+        configs[0]["save"] = str(out / "ckpt")
+    return devices, configs
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    cache = {}
+def runs(tmp_path_factory) -> Launches:
+    """tests/run_hf_exact.py on 2 or 4 processes: `runs(devices)[index]`."""
+    return Launches(tmp_path_factory, _data_parallel_plan, script=WORKER, timeout=400)
 
-    def get(devices: int):
-        if devices not in cache:
-            out = tmp_path_factory.mktemp(f"hf{devices}")
-            configs = [dict(c) for c in RUNS[devices]] + ([dict(BF16)] if devices == 4 else [])
-            for c in configs:
-                if c.get("pretrained"):
-                    c["pretrained"] = str(saved_model(out, c["family"]))
-            if devices == 4:
-                configs[0]["save"] = str(out / "ckpt")
-            cache[devices] = out, launch(out, devices, configs)
-        return cache[devices]
 
-    return get
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory) -> Launches:
+    """One launch per TP_LAUNCHES entry: `tp_runs(name)[index]`."""
+    return Launches(tmp_path_factory, _tensor_parallel_plan, script=WORKER, timeout=400)
 
 
 @pytest.mark.parametrize("devices, index", [(d, i) if d == 4 else pytest.param(d, i, marks=pytest.mark.slow)
@@ -106,33 +111,33 @@ def runs(tmp_path_factory):
                          ids=[f"dp{d // 2}-" + "-".join(f"{v}" for v in c.values()) for d in (2, 4) for c in RUNS[d]])
 def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     cfg = RUNS[devices][index]
-    out, results = runs(devices)
-    pretrained = saved_model(out, cfg["family"]) if cfg.get("pretrained") else None
+    launch = runs(devices)
+    pretrained = saved_model(launch.out, cfg["family"]) if cfg.get("pretrained") else None
     model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"), pretrained)
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
-    for rank in results[index]:
+    for rank in launch[index]:
         got.update(rank["params"])
     assert set(got) == set(model.state_dict())  # the HF model's own names, tied copies included
     worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
     assert worst <= TOL, f"max |bfpp - one process| = {worst:.3g}"
-    last_stage = results[index][-1]["losses"]  # every rank logs the shared loss
+    last_stage = launch[index][-1]["losses"]  # every rank logs the shared loss
     assert last_stage == pytest.approx(losses, abs=1e-5)
 
 
 def test_rotary_model_trains_under_sharded_bf16_mixed(runs):
     """Llama at pp=2 x loops=2 x dp=2, precision="bf16-mixed": each step's loss within 2% of the fp32 model's
-    (a rotary model failed here: fp32 cos/sin made q and k fp32 beside a bf16 v in sdpa)."""
-    _, results = runs(4)
+    (the rotary cos/sin, side inputs, follow the stage's bf16: fp32 ones would make q and k fp32 beside a bf16 v, and
+    sdpa takes one dtype)."""
     _, losses = reference("llama", 2)
-    got = results[len(RUNS[4])][-1]["losses"]
+    got = runs(4)[len(RUNS[4])][-1]["losses"]
     assert len(got) == len(losses)
     assert all(abs(a - b) <= BF16_REL * abs(b) for a, b in zip(got, losses)), (got, losses)
 
 
 def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
-    out, results = runs(4)
-    checkpoint_cli([str(out / "ckpt"), str(tmp_path / "gpt2.pt")])  # python -m lightning_bfpp.checkpoint FOLDER FILE
+    # python -m lightning_bfpp.checkpoint FOLDER FILE
+    checkpoint_cli([str(runs(4).out / "ckpt"), str(tmp_path / "gpt2.pt")])
     state = torch.load(tmp_path / "gpt2.pt", weights_only=True)["state_dict"]
     model = hf_model("gpt2", seed=1)  # different weights before loading
     model.load_state_dict(state, strict=True)  # no key map
@@ -146,30 +151,13 @@ def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
         assert torch.equal(a, b), n
 
 
-@pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory):
-    """One launch per TP_LAUNCHES entry, made when a selected test first asks for it: (out dir, records)."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            out = tmp_path_factory.mktemp(f"hf_tp_{name}")
-            devices, configs = TP_LAUNCHES[name][0], [dict(c) for c in TP_LAUNCHES[name][1]]
-            if name == "slow":
-                configs[0]["save"] = str(out / "ckpt")
-            cache[name] = out, launch(out, devices, configs)
-        return cache[name]
-
-    return get
-
-
 @pytest.mark.parametrize("name, index", [(n, i) if n == "sp" else pytest.param(n, i, marks=pytest.mark.slow)
                                          for n, i, _ in TP_RUNS],
                          ids=[f"{n}-" + c["family"] + ("-sp" if c.get("sp") else "") for n, _, c in TP_RUNS])
 def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, index):
     devices, configs = TP_LAUNCHES[name]
     cfg, dp = configs[index], devices // 4  # pp=2 x tp=2
-    records = tp_runs(name)[1][index]
+    records = tp_runs(name)[index]
     model, losses = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"])
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
@@ -195,15 +183,14 @@ def test_hf_tensor_and_sequence_parallel_under_bf16_mixed_follow_fp32(tp_runs):
     """Llama at pp=2 x loops=2 x tp=2 with sequence parallel, precision="bf16-mixed": each step's loss within 2% of
     the fp32 model's."""
     (index,) = [i for i, c in enumerate(TP_LAUNCHES["slow"][1]) if c.get("precision")]
-    got = tp_runs("slow")[1][index][-1]["losses"]
+    got = tp_runs("slow")[index][-1]["losses"]
     _, losses = reference("llama", 1, kv_heads=2)
     assert len(got) == len(losses) and all(abs(a - b) <= BF16_REL * abs(b) for a, b in zip(got, losses)), (got, losses)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp_path):
-    out, _ = tp_runs("slow")
-    checkpoint_cli([str(out / "ckpt"), str(tmp_path / "llama.pt")])
+    checkpoint_cli([str(tp_runs("slow").out / "ckpt"), str(tmp_path / "llama.pt")])
     model = hf_model("llama", seed=1, kv_heads=2)
     model.load_state_dict(torch.load(tmp_path / "llama.pt", weights_only=True)["state_dict"], strict=True)
     trained, _ = reference("llama", 1, kv_heads=2)

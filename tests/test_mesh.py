@@ -17,6 +17,7 @@ from lightning_bfpp.schedule import ScheduleSpec
 from lightning_bfpp.schedule.dims import DP, PP, TP, ParallelDims
 
 WORLD = 4
+LAYOUTS = ((2, 1), (1, 2), (2, 2), (4, 1))  # (pipeline_parallel, tensor_parallel) built by every rank
 
 
 def _dims(pp: int, tp: int = 1) -> ParallelDims:
@@ -32,7 +33,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
     try:
         found = {}
-        for pp, tp in ((2, 1), (1, 2), (2, 2), (4, 1)):
+        for pp, tp in LAYOUTS:
             names = (PP, DP, TP) if tp > 1 else (PP, DP)
             ours = build_mesh(_dims(pp, tp), "cpu", timeout=timedelta(seconds=60))
             torch_s = build_mesh(_dims(pp, tp), "cpu")  # init_device_mesh
@@ -68,10 +69,11 @@ def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
     out = manager.dict()
     mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
     for rank in range(WORLD):
-        for key, dims in out[rank].items():
-            if len(key) == 2:
-                assert all(ours == theirs for ours, theirs in dims), (rank, key, dims)
-                assert rank in dims[0][0]
+        layouts = {key: dims for key, dims in out[rank].items() if len(key) == 2}  # (pp, tp): each mesh dim's groups
+        assert sorted(layouts) == sorted(LAYOUTS), (rank, sorted(layouts))
+        for key, dims in layouts.items():
+            assert all(ours == theirs for ours, theirs in dims), (rank, key, dims)
+            assert rank in dims[0][0]
         assert out[rank][(2, 2, "sum")] == 2.0 and out[rank][(1, 2, "sum")] == 2.0
     assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]
     # building the same layout again (every Trainer run does) creates no new groups, so no new gloo threads

@@ -6,12 +6,10 @@ resumes it)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -19,8 +17,7 @@ from pathlib import Path
 
 import pytest
 from exact_model import reference
-from launch import SCRIPT, clean_env, start_lightning
-from procenv import free_port
+from launch import start_lightning, start_slurm, start_torchrun
 
 import lightning_bfpp.checkpoint as ckpt
 from lightning_bfpp.job.liveness import pid_alive
@@ -59,8 +56,12 @@ def signal_job(work: Path, launcher: str, target: str, signum: int, settle: floa
     pids: dict[int, int] = {}
     try:
         deadline = time.monotonic() + 180
-        while len(found := {int(p.name[4:]): p.read_text() for p in pid_dir.glob("rank*")}) < WORLD or not all(found.values()):
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "the job did not start training"
+        while True:  # until every rank has written its pid
+            found = {int(p.name[4:]): p.read_text() for p in pid_dir.glob("rank*")}
+            if len(found) >= WORLD and all(found.values()):
+                break
+            running = all(p.poll() is None for p in procs)
+            assert running and time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.1)
         pids = {r: int(p) for r, p in found.items()} | ({-1: procs[0].pid} if len(procs) == 1 else {})
         time.sleep(settle)  # well inside training (and checkpointing)
@@ -94,21 +95,15 @@ def _dump_stacks(pids: dict[int, int]) -> bool:
 def _start(work: Path, launcher: str, cfg: list[dict]) -> list[subprocess.Popen]:
     """The job's processes: the launcher's, torchrun's, or one per rank with SLURM's variables (SLURM_JOB_ID 4242 and
     a fake `scontrol` that appends its arguments to work/scontrol.log)."""
-    args = [str(SCRIPT), str(work / "out"), str(WORLD), json.dumps(cfg)]
     if launcher == "lightning":
         return [start_lightning(work / "out", WORLD, cfg)]
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", *args]
-        return [subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    port, fake_bin = str(free_port()), work / "bin"  # a `scontrol` that records what it was asked
+        return [start_torchrun(work / "out", WORLD, cfg)]
+    fake_bin = work / "bin"  # a `scontrol` that records what it was asked
     fake_bin.mkdir()
     (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {work / "scontrol.log"}\n')
     (fake_bin / "scontrol").chmod(0o755)
-    return [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env(
-        SLURM_NTASKS=str(WORLD), SLURM_NTASKS_PER_NODE=str(WORLD), SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
-        SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="bfpp-test", SLURM_NODELIST="127.0.0.1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PATH=f"{fake_bin}:{os.environ['PATH']}")) for r in range(WORLD)]
+    return start_slurm(work / "out", WORLD, cfg, PATH=f"{fake_bin}:{os.environ['PATH']}")
 
 
 def newest_checkpoint_is_complete(save_dir: Path, work: Path, name: str | None = None) -> int:
@@ -137,11 +132,12 @@ FAST = {("lightning", "child", signal.SIGTERM), ("torchrun", "launcher", signal.
 
 
 @pytest.mark.parametrize("launcher,target,signum", [c if c in FAST else pytest.param(*c, marks=pytest.mark.slow)
-                                                    for c in CASES], ids=[f"{l}-{t}-{s.name}" for l, t, s in CASES])
+                                                    for c in CASES], ids=[f"{j}-{t}-{s.name}" for j, t, s in CASES])
 def test_signal_stops_every_process(tmp_path, launcher, target, signum):
     stopped = signal_job(tmp_path, launcher, target, signum)
     assert stopped.gone_s < BUDGET_S, (stopped.gone_s, stopped.output[-4000:])
-    # Lightning's launcher: the job's code is the signal's, whichever rank got it; torchrun exits 1 for any worker's stop
+    # Lightning's launcher: the job's code is the signal's, whichever rank got it; torchrun exits 1 for any worker's
+    # stop
     assert stopped.codes == [128 + signum if launcher == "lightning" else 1], (stopped.codes, stopped.output[-4000:])
     said = STOPPED.findall(stopped.output)
     assert {int(r) for r, _ in said} == set(range(WORLD)), stopped.output[-4000:]  # every rank says why
@@ -151,7 +147,8 @@ def test_signal_stops_every_process(tmp_path, launcher, target, signum):
     got = rf"rank \d got {signum.name}" if (launcher, target) == ("torchrun", "launcher") else \
         f"rank {int(target == 'child')} got {signum.name}"
     # on_signal="save" (the default): every rank saved last.ckpt (the ModelCheckpoint's folder) at one step first
-    saved = re.fullmatch(got + rf" \(saved {re.escape(str(stopped.save_dir / 'last.ckpt'))} at step (\d+)\)", reasons.pop())
+    last = re.escape(str(stopped.save_dir / "last.ckpt"))
+    saved = re.fullmatch(got + rf" \(saved {last} at step (\d+)\)", reasons.pop())
     assert saved, said
     # every rank said why before any rank could end (the launcher may kill the others as soon as one exits): rank 0
     # reports the save only after every rank has said it (a torchrun job once lost rank 0's line this way)
@@ -172,9 +169,11 @@ def test_killed_child_gives_the_failure_code(tmp_path):
 
 def test_slurm_requeue_signal_stops_every_rank_and_requeues(tmp_path):
     """SLURM's requeue signal (SIGUSR1, e.g. `#SBATCH --signal=USR1@90`, sent to every task), on_signal="exit": every
-    rank stops at once with 138, rank 0 runs `scontrol requeue <job>`, and the newest checkpoint is complete (the requeued job resumes from it)."""
+    rank stops at once with 138, rank 0 runs `scontrol requeue <job>`, and the newest checkpoint is complete (the
+    requeued job resumes from it)."""
     stopped = signal_job(tmp_path, "slurm", "all", signal.SIGUSR1, on_signal="exit")  # saving: tests/test_preemption.py
-    assert stopped.gone_s < BUDGET_S and stopped.codes == [128 + signal.SIGUSR1] * WORLD, (stopped.codes, stopped.output[-4000:])
+    assert stopped.gone_s < BUDGET_S and stopped.codes == [128 + signal.SIGUSR1] * WORLD, (
+        stopped.codes, stopped.output[-4000:])
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     said = STOPPED.findall(stopped.output)
     # every task got the signal: a rank may name itself when it stops before reading another's post

@@ -6,16 +6,13 @@ dp2 x tp2)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import run_tp
 import torch
 from gpt import GPT
-from launch import ROOT, clean_env, free_port
+from launch import ROOT, Launches
 from lightning.pytorch import Trainer
 
 from lightning_bfpp import BFPPStrategy
@@ -47,7 +44,8 @@ WORLD4 = {
     "pp2-tp2-loops2-clip-ac-tied-sp": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "clip": 0.05, "ac": True, "tied": True,
                                        "sp": True},
     "pp2-tp2-sp-bf16": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "precision": "bf16-mixed", "sp": True},
-    "save-sp": {"pp": 2, "tp": 2, "m": 2, "sp": True, "opt": "adamw", "steps": 4, "save_every": 2, "save_dir": "{out}/sp"},
+    "save-sp": {"pp": 2, "tp": 2, "m": 2, "sp": True, "opt": "adamw", "steps": 4, "save_every": 2,
+                "save_dir": "{out}/sp"},
     "resume-no-sp": {"pp": 1, "tp": 2, "m": 2, "opt": "adamw", "steps": 4, "resume": "{out}/sp/step=2.ckpt"},
 }
 WORLD8 = {
@@ -59,29 +57,17 @@ WORLD8 = {
 }
 
 
-def _launch(out: Path, devices: int, configs: dict[str, dict]) -> dict[str, list[dict]]:
-    filled = [{k: v.format(out=out) if isinstance(v, str) else v for k, v in c.items()} for c in configs.values()]
-    p = subprocess.run([sys.executable, str(ROOT / "tests" / "run_tp.py"), str(out), str(devices), json.dumps(filled)],
-                       env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-6000:]
-    return {name: [torch.load(out / f"cfg{i}" / f"rank{r}.pt", weights_only=False) for r in range(devices)]
-            for i, name in enumerate(configs)}
+def _plan(devices: int, out: Path) -> tuple[int, dict[str, dict]]:
+    """WORLD4 or WORLD8, their checkpoint folders ("{out}") in the launch's own folder."""
+    configs = {4: WORLD4, 8: WORLD8}[devices]
+    return devices, {name: {k: v.format(out=out) if isinstance(v, str) else v for k, v in c.items()}
+                     for name, c in configs.items()}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    cache: dict[int, dict] = {}
-
-    def get(devices: int) -> dict[str, list[dict]]:
-        if devices not in cache:
-            out = tmp_path_factory.mktemp(f"tp{devices}")
-            cache[devices] = _launch(out, devices, {4: WORLD4, 8: WORLD8}[devices])
-            get.out[devices] = out
-        return cache[devices]
-
-    get.out = {}
-    return get
+def runs(tmp_path_factory) -> Launches:
+    """tests/run_tp.py on 4 or 8 processes: `runs(devices)[config name]`."""
+    return Launches(tmp_path_factory, _plan, script=ROOT / "tests" / "run_tp.py", timeout=600)
 
 
 def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | None = None, tied: bool = False,
@@ -120,25 +106,33 @@ def _compare(ranks: list[dict], ref: tuple[dict, list[float]], tol: float) -> fl
     diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
     assert diff <= tol, f"max |param - reference| = {diff:.3g}"
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
-    loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"][-len(ref_losses):], ref_losses))
+    assert len(ranks[0]["losses"]) == len(ref_losses), (ranks[0]["losses"], ref_losses)
+    loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_losses))
     assert loss_diff <= tol, (ranks[0]["losses"], ref_losses)
     return diff
+
+
+def split_weights(tied: bool) -> set[str]:
+    """The matrices GPT.pipeline_tp_plan splits over tensor parallel: every block's q, k, v, proj and MLP weights, and
+    the token embedding and the output head unless they are tied (a tied weight stays whole)."""
+    blocks = {f"blocks.{i}.{m}.weight" for i in range(run_tp.model_config().n_layer)
+              for m in ("q", "k", "v", "proj", "mlp.0", "mlp.2")}
+    return blocks if tied else blocks | {"embedding.tok.weight", "head.lm_head.weight"}
 
 
 TRAINED = [(4, n) for n, c in WORLD4.items() if c.get("opt") != "adamw" and "precision" not in c]
 TRAINED += [(8, n) for n in WORLD8]
 
 
-@pytest.mark.parametrize("devices,name", [(d, n) if d == 4 else pytest.param(d, n, marks=pytest.mark.slow) for d, n in TRAINED],
-                         ids=[f"w{d}-{n}" for d, n in TRAINED])
+@pytest.mark.parametrize("devices,name", [(d, n) if d == 4 else pytest.param(d, n, marks=pytest.mark.slow)
+                                          for d, n in TRAINED], ids=[f"w{d}-{n}" for d, n in TRAINED])
 def test_matches_one_process(runs, devices, name):
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     ranks = runs(devices)[name]
-    _compare(ranks, reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False)), EXACT)
-    # the blocks' matrices are split over tensor parallel (tied: embedding and head stay whole)
-    split = set(ranks[0]["tp_split"]) | set(ranks[-1]["tp_split"])
-    assert "blocks.1.q.weight" in split or "blocks.0.q.weight" in split, split
-    assert ("embedding.tok.weight" in split) != bool(cfg.get("tied")) or cfg.get("pp", 1) > 1
+    ref = reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False))
+    _compare(ranks, ref, EXACT)
+    split = {n for r in ranks for n in r["tp_split"] if n.endswith("weight")}  # over the ranks: each its own stages
+    assert split == split_weights(cfg.get("tied", False)), sorted(split)
 
 
 @pytest.mark.parametrize("name", [n for n, c in WORLD4.items() if c.get("precision")])
@@ -146,7 +140,7 @@ def test_bf16_mixed_follows_fp32(runs, name):
     cfg = WORLD4[name]
     fp32 = reference(STEPS, [_dp(4, cfg)] * STEPS)[1]
     got = runs(4)[name][0]["losses"]
-    assert all(abs(a - b) <= BF16_RTOL * b for a, b in zip(got, fp32)), (got, fp32)
+    assert len(got) == len(fp32) and all(abs(a - b) <= BF16_RTOL * b for a, b in zip(got, fp32)), (got, fp32)
 
 
 @pytest.mark.parametrize("devices,name", [(4, "pp2-tp2-sp"), (4, "pp2-tp2-bf"),
@@ -158,7 +152,8 @@ def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
 
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     c = run_tp.model_config()
-    layers = Model(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size).layers(None, cfg["tp"], cfg.get("sp", False))
+    model = Model(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size)
+    layers = model.layers(None, cfg["tp"], cfg.get("sp", False))
     micro_batch = BATCH // _dp(devices, cfg) // cfg["m"]
     expected = message_bytes(layers, micro_batch, cfg["tp"], cfg.get("sp", False), activation_bytes=4)
     sent = [r["message_bytes"] for r in runs(devices)[name]]
@@ -183,7 +178,7 @@ def test_export_of_a_tensor_parallel_checkpoint_is_one_plain_file(runs, tmp_path
 
     ranks = runs(4)["save-tp2"]
     out = tmp_path / "model.ckpt"
-    state = export(runs.out[4] / "tp2" / "step=4.ckpt", out)
+    state = export(runs(4).out / "tp2" / "step=4.ckpt", out)
     params = {n: t for r in ranks for n, t in r["params"].items()}
     assert set(state) == set(params)
     assert all(torch.equal(state[n], params[n]) for n in params)
@@ -205,7 +200,8 @@ def test_bytes_per_rank_are_one_over_pp_dp_tp(runs):
 
 # ---- settings refused before launch (no processes) ----
 def test_tensor_parallel_must_fit_a_node_and_the_world():
-    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide the processes per node devices=4.*\[1, 2, 4\]"):
+    with pytest.raises(ValueError,
+                       match=r"tensor_parallel=3 must divide the processes per node devices=4.*\[1, 2, 4\]"):
         ParallelDims(world=4, devices_per_node=4, tensor_parallel=3).validate()
     with pytest.raises(ValueError, match=r"pipeline_parallel x tensor_parallel = 4 x 2 must divide the world size 4"):
         ParallelDims(world=4, devices_per_node=4, tensor_parallel=2,
@@ -243,7 +239,8 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
 
     from lightning_bfpp.layout.tensor_parallel import check_sequence_length
 
-    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the sequence .* tensor_parallel=1: set tensor_parallel > 1"):
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the sequence .* tensor_parallel=1: "
+                                         r"set tensor_parallel > 1"):
         BFPPStrategy(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"sequence_parallel='yes' must be True, False or None"):
         BFPPStrategy(tensor_parallel=2, sequence_parallel="yes")
@@ -253,7 +250,7 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
     block = {k: type(v).__name__ for k, v in plans[id(model.blocks[0])][2].items()}
     assert block["ln_1"] == block["ln_2"] == "GatheredSequenceParallel" and block["proj"] == "RowwiseParallel"
     assert plans[id(model.blocks[0])][2]["proj"].output_layouts[0].is_shard(1)  # reduce-scattered to sequence shards
-    # a plan written before sequence parallel (no such argument) is not silently used with shards
+    # a plan that takes no sequence_parallel argument is not silently used with shards
     model.pipeline_tp_plan = lambda name, layer, tp: GPT.pipeline_tp_plan(model, name, layer, tp)
     with pytest.raises(TypeError, match=r"takes no `sequence_parallel` argument.*or set sequence_parallel=False"):
         layer_plans(model, layers, 2, sequence_parallel=True)
@@ -263,16 +260,16 @@ def test_sequence_parallel_settings_and_plans_are_checked_before_launch():
     with pytest.raises(ValueError, match=r"returned no plan, so blocks.1 would run on a sequence shard"):
         layer_plans(model, layers, 2, sequence_parallel=True)
     dims = ParallelDims(world=2, tensor_parallel=2, sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"over tensor_parallel=2 ranks, and the sequence length \(dim 1 of the first input, "
-                                         r"shape \(2, 7\)\)=7 does not divide by 2"):
+    with pytest.raises(ValueError, match=r"over tensor_parallel=2 ranks, and the sequence length \(dim 1 of the first "
+                                         r"input, shape \(2, 7\)\)=7 does not divide by 2"):
         check_sequence_length((torch.zeros(2, 7, dtype=torch.long),), dims)
     check_sequence_length(torch.zeros(2, 8, dtype=torch.long), dims)
 
 
 class _Collectives:
     """Counts the functional collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, ...) dispatched
-    while active. (torch's CommDebugMode counts the same, but its module tracker's global hooks outlived a failed
-    forward and broke every later module call in the process.)"""
+    while active. (torch's CommDebugMode counts the same, but its module tracker's global hooks outlive a failed
+    forward and break every later module call in the process.)"""
 
     def __init__(self) -> None:
         from collections import Counter
@@ -283,7 +280,8 @@ class _Collectives:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func.namespace == "_c10d_functional" and func._opname not in ("wait_tensor", "_wrap_tensor_autograd"):
+                counted = func._opname not in ("wait_tensor", "_wrap_tensor_autograd")
+                if func.namespace == "_c10d_functional" and counted:
                     counts[func._opname] += 1
                 return func(*args, **(kwargs or {}))
 

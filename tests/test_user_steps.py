@@ -4,17 +4,11 @@ loops in {1, 2} x dp in {1, 2}. Unit tests of the record/replay pieces need no p
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from launch import ROOT, clean_env
+from launch import ROOT, Launches
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
-from procenv import free_port
 from user_module import VAL, Classifier
 
 from lightning_bfpp import BFPPStrategy
@@ -34,29 +28,10 @@ SYNCED = {"val_acc", "val_loss", "val_seen", "val_max_logit", "test_acc", "test_
           "train_acc_epoch", "lr-SGD", "val_samples", "val_auroc"}
 
 
-class Launches(dict):
-    """(world, config index) -> every rank's record; each world size is launched when a test first asks for it
-    (one launch at a time: 15 processes at once crawl on 2 cores), so `make test` launches only its world sizes."""
-
-    def __init__(self, out: Path) -> None:
-        super().__init__()
-        self.out = out
-
-    def __missing__(self, key: tuple[int, int]) -> list[dict]:
-        w = key[0]
-        p = subprocess.run([sys.executable, str(SCRIPT), str(self.out / f"w{w}"), str(w), json.dumps(LAUNCHES[w])],
-                           env=clean_env(MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-5000:]
-        for i in range(len(LAUNCHES[w])):
-            self[(w, i)] = [torch.load(self.out / f"w{w}" / f"cfg{i}" / f"rank{r}.pt", weights_only=False)
-                            for r in range(w)]
-        return self[key]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return Launches(tmp_path_factory.mktemp("user"))
+def runs(tmp_path_factory) -> Launches:
+    """Each world size's layouts in one launch: `runs(world)[index]`."""
+    return Launches(tmp_path_factory, lambda world, out: (world, LAUNCHES[world]), script=SCRIPT, timeout=300)
 
 
 # 2 processes in `make test`; the 4- and 8-process launches in the slow set
@@ -72,8 +47,8 @@ def _close(got: dict[str, float], want: dict[str, float], keys) -> list:
 @pytest.mark.parametrize("world,index,cfg", LAYOUTS, ids=IDS)
 def test_user_metrics_callbacks_and_predictions_equal_auto(runs, world, index, cfg):
     dp = world // cfg["pp"]
-    ref = runs[(1, dp - 1)][0]
-    for rank, got in enumerate(runs[(world, index)]):
+    ref = runs(1)[dp - 1][0]
+    for rank, got in enumerate(runs(world)[index]):
         for phase in ("fit", "validate", "test", "logged"):
             keys = set(ref[phase]) | set(got[phase])
             assert set(got[phase]) == set(ref[phase]), (rank, phase)  # every rank ends with the same keys
@@ -87,19 +62,20 @@ def test_user_metrics_callbacks_and_predictions_equal_auto(runs, world, index, c
         assert torch.equal(got["predictions"], ref["predictions"][replica::dp] if dp > 1 else ref["predictions"])
         assert got["validate"]["val_seen"] == VAL  # summed over replicas once, not once per pipeline rank
         assert got["validate"]["val_samples"] == VAL  # counted by the steps, on every rank at epoch end
-    csv, ref_csv = runs[(world, index)][0]["csv"], ref["csv"]
+    csv, ref_csv = runs(world)[index][0]["csv"], ref["csv"]
     assert [r.keys() for r in csv] == [r.keys() for r in ref_csv]
     columns = set(ref_csv[0]) if dp == 1 else SYNCED & set(ref_csv[0])
     assert "lr-SGD" in columns  # LearningRateMonitor
     for row, want in zip(csv, ref_csv):
         for k in columns:
-            assert (row[k] == want[k]) or (row[k] and want[k] and abs(float(row[k]) - float(want[k])) <= TOL), (k, row, want)
+            same = row[k] == want[k] or (row[k] and want[k] and abs(float(row[k]) - float(want[k])) <= TOL)
+            assert same, (k, row, want)
 
 
 @pytest.mark.slow
 def test_replicas_pipeline_ranks_agree_on_local_values(runs):
     """Values not synced over data parallel are the replica's own, the same on each of its pipeline ranks."""
-    ranks = runs[(4, 3)]  # pp=2, dp=2
+    ranks = runs(4)[3]  # pp=2, dp=2
     for replica in (0, 1):  # global rank = pipeline rank x 2 + replica
         a, b = ranks[replica], ranks[2 + replica]
         assert a["fit"]["val_loss_local"] == b["fit"]["val_loss_local"]
@@ -110,7 +86,8 @@ def test_replicas_pipeline_ranks_agree_on_local_values(runs):
     for rank in ranks:
         assert rank["test"]["test_gathered"] == 2  # one entry per replica, not per process
         assert rank["test"]["test_gathered_loss"] == pytest.approx(ranks[0]["test"]["test_gathered_loss"], abs=TOL)
-        assert rank["test"]["test_first_replica_loss"] == pytest.approx(ranks[0]["test"]["test_first_replica_loss"], abs=TOL)
+        assert rank["test"]["test_first_replica_loss"] == pytest.approx(ranks[0]["test"]["test_first_replica_loss"],
+                                                                        abs=TOL)
 
 
 # ---- pieces, in one process ------------------------------------------------------------------------------------
@@ -254,8 +231,9 @@ def test_step_state_changes_are_carried_to_the_other_ranks():
     step(ran)
     found = step_state.changes(ran, before)
     assert {(c.attribute, c.kind) for c in found} == {
-        ("outputs", "extend"), ("count", "set"), ("by_loader", "set_key"), ("kept", "set_key"), ("new_attribute", "set"),
-        ("per_loader", "set"), ("nested", "set"), ("stats", "set"), ("tracker", "set"), ("total", "set")}
+        ("outputs", "extend"), ("count", "set"), ("by_loader", "set_key"), ("kept", "set_key"),
+        ("new_attribute", "set"), ("per_loader", "set"), ("nested", "set"), ("stats", "set"), ("tracker", "set"),
+        ("total", "set")}
     step_state.apply(other, found)
     assert [float(t) for t in other.outputs] == [0.0, 1.0] and other.count == 4 and other.new_attribute == "set"
     assert other.by_loader == {1: ["x"]} and other.kept == {"a": [7]} and isinstance(other.by_loader, defaultdict)

@@ -36,11 +36,12 @@ def test_progress_is_published_by_the_watching_thread_not_the_caller():
 
 
 def test_ranks_saying_why_at_once_never_share_a_line():
-    """Four ranks print why the job stops into one pipe at the same moment (a CI run once read
-    `[rank 0] ... SIGINT[rank 1] ... SIGINT`, and the test missed rank 1): every message is one whole line."""
+    """Four ranks print why the job stops into one pipe at the same moment: every message is one whole line (two
+    messages written in pieces can interleave as `[rank 0] ... SIGINT[rank 1] ... SIGINT`, hiding rank 1's)."""
     code = ("import sys; from lightning_bfpp.job.ending import say_stop\n"
             "for _ in range(3000): say_stop(int(sys.argv[1]), 'rank 0 got SIGINT')\n")
-    read, write = os.pipe()  # unbuffered (as the tests launch jobs, and many clusters do), print() writes text and newline apart
+    # unbuffered (as the tests launch jobs, and many clusters do), print() writes text and newline apart
+    read, write = os.pipe()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stderr=write, env=env) for r in range(4)]
     os.close(write)
@@ -79,9 +80,10 @@ watchdog.stop(finished=True)
 
 
 def test_a_stopped_watchdog_lets_the_process_exit_cleanly():
-    """The abort at exit (issue 36, `terminate called without an active exception` after `Trainer.fit stopped`): a
-    daemon thread that returns from a store call while the interpreter shuts down is ended by a forced unwind, which
-    C++ turns into SIGABRT. `stop` waits for the watching thread; without that wait the same script aborts."""
+    """A process whose watchdog was stopped exits cleanly, without the abort `terminate called without an active
+    exception` after `Trainer.fit stopped`: a daemon thread that returns from a store call while the interpreter shuts
+    down is ended by a forced unwind, which C++ turns into SIGABRT. `stop` waits for the watching thread; without that
+    wait the same script aborts."""
     def run(mode: str, times: int) -> list[tuple[int, bool]]:
         procs = [subprocess.run([sys.executable, "-c", EXIT_AFTER_STOP, mode], capture_output=True, text=True,
                                 timeout=60) for _ in range(times)]

@@ -1,5 +1,5 @@
 """A LightningModule written the way a Lightning user writes one (its own steps, torchmetrics, a scheduler),
-plus the three pipeline hooks; used to check that bfpp runs the user's steps as written."""
+plus the three pipeline hooks: bfpp must run the user's steps as written."""
 
 from __future__ import annotations
 
@@ -147,4 +147,5 @@ class ReplicaOrder(Sampler):
 def reference_loader(replicas: int, batch_size: int) -> DataLoader:
     """The training batches of `replicas` data-parallel ranks (global `batch_size`), for a one-process run."""
     ds = data(True)
-    return DataLoader(ds, batch_size=batch_size, sampler=ReplicaOrder(ds, replicas, batch_size // replicas), drop_last=True)
+    order = ReplicaOrder(ds, replicas, batch_size // replicas)
+    return DataLoader(ds, batch_size=batch_size, sampler=order, drop_last=True)

@@ -19,7 +19,8 @@ PACKAGE = "lightning_bfpp"
 def on_files(files, config):
     root = Path(config.config_file_path).parent
     for path in OUTSIDE_DOCS:
-        files.append(File(path, src_dir=str(root), dest_dir=config.site_dir, use_directory_urls=config.use_directory_urls))
+        files.append(File(path, src_dir=str(root), dest_dir=config.site_dir,
+                          use_directory_urls=config.use_directory_urls))
     return files
 
 

@@ -96,7 +96,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     into any other layout. See ``lightning_bfpp.checkpoint``.
     """
 
-    materializes_meta_stages = True  # a model built on the meta device gets memory per stage in setup (CausalLM reads it)
+    # a model built on the meta device gets memory per stage in setup (CausalLM reads it)
+    materializes_meta_stages = True
 
     strategy_name = "bfpp"
 
@@ -111,7 +112,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
         trust_checkpoints: bool = False, measure_every_n_steps: int | None = None,
         layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
-        compile: bool = False, on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
+        compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
+        on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
         signal_checkpoint: str | Path | None = None, async_save: bool = False,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
@@ -186,14 +188,16 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         if self.auto_layout is not None and not self.plan.decided:  # the mesh, datamodule and samplers depend on it
             rank_zero_info(self.plan.decide(self.lightning_module, self.root_device, self.world_size,
                                             self.num_processes, self._precision))
-        self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.on_signal, self.signal_grace_s)
+        self._job.start(self.global_rank, self.world_size, self.cluster_environment, self.on_signal,
+                        self.signal_grace_s)
         self._device_mesh = build_mesh(self.dims, self.root_device.type, process_group_timeout(self))
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self._device_mesh)
 
     def _check_before_launch(self, ckpt_path: str | None = None, trainer=None) -> None:
         module = self.lightning_module
-        if module is not None and self.runner is None and not built_in_configure_model(module):  # once built, the model is cut
+        # once built, the model is cut
+        if module is not None and self.runner is None and not built_in_configure_model(module):
             self.check_model(module)
         if trainer is not None:
             check_callbacks(trainer.callbacks)
@@ -242,7 +246,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
         # Lightning's plugin, as a subclass that clips by the global norm; under "bf16-mixed" with sharded stages
         # FSDP2 computes in bf16 (``layout.fsdp.stage_mixed_precision``), so no autocast (docs/precision.md)
-        self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm, self._fsdp_mixed_precision)
+        self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm,
+                                                   self._fsdp_mixed_precision)
 
     @property
     def _precision(self) -> str:
@@ -270,7 +275,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
 
     def _build_pipeline(self, module) -> PipelineRunner:
         layers = list(module.pipeline_layers())
-        plans = layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel) if self.tensor_parallel > 1 else {}
+        plans = (layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel)
+                 if self.tensor_parallel > 1 else {})
         stage_layers = self.stage_layers
         on_meta = has_meta_tensors(module)  # the same on every rank: every process built the same model
         if stage_layers == "auto":
@@ -280,8 +286,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         seed = self.broadcast(torch.initial_seed()) if on_meta else None  # rank 0's: one initialization for all
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
-                                                         self.global_rank, process_group_timeout(self), self.root_device,
-                                                         seed)
+                                                         self.global_rank, process_group_timeout(self),
+                                                         self.root_device, seed)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
@@ -304,7 +310,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
-            raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not supported.")
+            raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not "
+                            "supported.")
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         ckpt.save_trainer_checkpoint(

@@ -66,10 +66,10 @@ def process_group_timeout_at_least(strategy: ModelParallelStrategy, least: timed
         strategy._timeout = requested
 
 
-# torchmetrics Metric state that lightning_bfpp/adapter/steps.py carries across the pipeline group, so a metric the user logs on the
-# last stage is logged with the same step value by every pipeline rank. Public alternatives checked: ``forward()``
-# (would update the states on ranks without outputs: counted twice at compute()), ``metric_state`` (the reduced
-# states, not the step value) and ``reset()`` (also clears the states).
+# torchmetrics Metric state that lightning_bfpp/adapter/steps.py carries across the pipeline group, so a metric the user
+# logs on the last stage is logged with the same step value by every pipeline rank. Public alternatives checked:
+# ``forward()`` (would update the states on ranks without outputs: counted twice at compute()), ``metric_state`` (the
+# reduced states, not the step value) and ``reset()`` (also clears the states).
 
 def metric_step_value(metric: Metric) -> tuple[Any, int]:
     """The value `metric`'s last forward() returned (``_forward_cache``) and its ``_update_count``."""

@@ -113,7 +113,8 @@ def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, An
     forward, backward (or its input-gradient part) and weight-gradient part the runtime runs on `stage` while
     ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
     (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
-    backward, which the runtime runs through autograd outside any module call) and profiler spans (need the profiler on)."""
+    backward, which the runtime runs through autograd outside any module call) and profiler spans (need the
+    profiler on)."""
     for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
         inner = getattr(stage, name)
 

@@ -1,6 +1,6 @@
 """The private torch APIs lightning-bfpp uses outside torch.distributed.pipelining's schedule runtime (that one
-is lightning_bfpp/_private/pipelining.py). Each entry says why it is needed and which public alternative was checked (torch 2.13).
-Importing this module checks the installed torch against the tested range (versions.SUPPORTED)."""
+is lightning_bfpp/_private/pipelining.py). Each entry says why it is needed and which public alternative was checked
+(torch 2.13). Importing this module checks the installed torch against the tested range (versions.SUPPORTED)."""
 from __future__ import annotations
 
 import os
@@ -76,9 +76,9 @@ def check_compile(device_type: str) -> None:
     if device_type == "cpu":
         compilers = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
         if not any(shutil.which(c) for c in compilers):
-            raise RuntimeError(f"compile=True (Hydra: schedule.compile=true) on CPU needs a C++ compiler for inductor's "
-                               f"kernels; none of {compilers} is on PATH. Install one (e.g. `apt-get install g++`, or "
-                               "set CXX) or set compile=False.")
+            raise RuntimeError(f"compile=True (Hydra: schedule.compile=true) on CPU needs a C++ compiler for "
+                               f"inductor's kernels; none of {compilers} is on PATH. Install one (e.g. `apt-get "
+                               "install g++`, or set CXX) or set compile=False.")
 
 
 def compiled_graph_count() -> int:

@@ -1,6 +1,7 @@
-"""The dependency versions lightning-bfpp was tested with, checked when a module that uses their private
-APIs is imported (lightning_bfpp/_private/pipelining.py, lightning_bfpp/_private/torch_api.py, lightning_bfpp/_private/lightning_api.py). pyproject.toml states the same
-ranges (tests/test_private_apis.py compares them)."""
+"""The dependency versions lightning-bfpp was tested with, checked when a module that uses their private APIs is
+imported (lightning_bfpp/_private/pipelining.py, lightning_bfpp/_private/torch_api.py,
+lightning_bfpp/_private/lightning_api.py). pyproject.toml states the same ranges (tests/test_private_apis.py
+compares them)."""
 from __future__ import annotations
 
 import os
@@ -32,8 +33,8 @@ def check_version(distribution: str, installed: str | None = None) -> None:
             return
     release = Version(installed).release[:2]
     if not Version(lo).release <= release < Version(hi).release:
-        message = (f"lightning-bfpp uses private APIs of {distribution} that were tested on {distribution}>={lo},<{hi}; "
-                   f"this is {distribution} {installed}.")
+        message = (f"lightning-bfpp uses private APIs of {distribution} that were tested on "
+                   f"{distribution}>={lo},<{hi}; this is {distribution} {installed}.")
         if os.environ.get(ALLOW_UNTESTED) == "1":
             warnings.warn(f"{message} Imported anyway ({ALLOW_UNTESTED}=1): a private API that changed fails where "
                           "it is used.", stacklevel=2)

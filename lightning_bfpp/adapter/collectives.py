@@ -19,7 +19,8 @@ from ..schedule.dims import DP
 
 
 class ReplicaCollectives:
-    """Mixin for the strategy (needs ModelParallelStrategy's `_device_mesh`, `root_device`, `world_size` and collectives)."""
+    """Mixin for the strategy (needs ModelParallelStrategy's `_device_mesh`, `root_device`, `world_size`
+    and collectives)."""
 
     _in_last_stage_step = False
 
@@ -52,7 +53,7 @@ class ReplicaCollectives:
             return sync_if_distributed(tensor, self._group(group), reduce_op=reduce_op)
         return tensor
 
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002  (Lightning's signature)
         """Every rank's vote (a callback may decide per rank): over the world, as Lightning's."""
         if not dist.is_initialized():
             return decision

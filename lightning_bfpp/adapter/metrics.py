@@ -52,8 +52,8 @@ class PipelineMetrics(Callback):
     """Logs per step: `tokens_per_s`, `step_s`, `model_flops_per_s`, `mfu` (when `peak_flops` is given),
     `bubble_fraction`, `compute_s` and `mem/<kind>_max` (max over ranks) from `strategy.step_stats`.
 
-    The rates and MFU are Lightning's ``Throughput`` over each step (a window of two updates), fed with the job's
-    totals (tokens and samples of all data-parallel replicas, the step's FLOPs), so they are the job's, not one device's.
+    The rates and MFU are Lightning's ``Throughput`` over each step (a window of two updates), fed with the job's totals
+    (tokens and samples of all data-parallel replicas, the step's FLOPs), so they are the job's, not one device's.
 
     Args:
         flops_per_token: training FLOPs per token of the model (forward + backward); None: no FLOP/s.
@@ -89,10 +89,12 @@ class PipelineMetrics(Callback):
         self._totals = {"time": 0.0, "batches": 0, "samples": 0, "lengths": 0}  # the job's, summed over steps
 
     # ---- per step ----
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         step_s = time.perf_counter() - self._t0
         strategy = trainer.strategy
         dp = getattr(strategy, "data_parallel", None) or trainer.world_size
@@ -117,7 +119,8 @@ class PipelineMetrics(Callback):
         loss = _scalar(trainer.callback_metrics.get("train_loss"))
         self.history.append({"step": trainer.global_step, **row, **({"train_loss": loss} if loss is not None else {})})
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
-        if self.validate_at_end and (0 < trainer.max_steps <= trainer.global_step or (last_epoch and trainer.is_last_batch)):
+        if self.validate_at_end and (0 < trainer.max_steps <= trainer.global_step
+                                     or (last_epoch and trainer.is_last_batch)):
             trainer.should_stop = True  # the epoch loop validates when asked to stop (see _should_check_val_fx)
 
     def _rates(self, trainer: L.Trainer, step_s: float, tokens: int, samples: int) -> dict[str, float]:

@@ -18,7 +18,8 @@ class NonfiniteLoss:
 
     def __init__(self, policy: str = "stop", max_consecutive: int = 5) -> None:
         if policy not in NONFINITE_LOSS:
-            raise ValueError(f"nonfinite_loss={policy!r} must be one of {NONFINITE_LOSS}: stop the run, or skip the step.")
+            raise ValueError(f"nonfinite_loss={policy!r} must be one of {NONFINITE_LOSS}: stop the run, or skip "
+                             "the step.")
         if not is_count(max_consecutive):
             raise ValueError(f"max_consecutive_skips={max_consecutive!r} must be a positive integer (default 5).")
         self.policy, self.max_consecutive = policy, max_consecutive
@@ -33,8 +34,8 @@ class NonfiniteLoss:
         """A non-finite loss (`where`: the value and the step): raise, or return the warning of a skipped batch."""
         if self.policy == "stop":
             raise FloatingPointError(
-                f"{where}: stopping every rank before the optimizer step, so the weights and the last checkpoint are the "
-                "last good ones. Check the data and the learning rate, or set nonfinite_loss='skip' (Hydra: "
+                f"{where}: stopping every rank before the optimizer step, so the weights and the last checkpoint are "
+                "the last good ones. Check the data and the learning rate, or set nonfinite_loss='skip' (Hydra: "
                 "schedule.nonfinite_loss=skip) to drop such batches."
             )
         self.skipped += 1

@@ -25,7 +25,8 @@ def fingerprint(value: Any) -> list[float]:
     for t in tensors:
         flat = t.detach().reshape(-1).to(torch.float64)
         weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64) % 1009 + 1
-        count, total, weighted = count + flat.numel(), total + float(flat.sum()), weighted + float((flat * weights).sum())
+        count, total, weighted = (count + flat.numel(), total + float(flat.sum()),
+                                  weighted + float((flat * weights).sum()))
     return [count, total, weighted]
 
 

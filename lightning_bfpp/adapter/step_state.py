@@ -55,7 +55,7 @@ def _fingerprint(name: str, value: Any) -> bytes | None:
         if name not in _warned:
             _warned.add(name)
             warnings.warn(f"bfpp: self.{name} pickles to {len(data) >> 20} MiB: changes a step makes inside it stay "
-                          f"on the last stage's ranks (rebinding self.{name} is carried to every rank).")
+                          f"on the last stage's ranks (rebinding self.{name} is carried to every rank).", stacklevel=1)
         return None
     return hashlib.blake2b(data, digest_size=16).digest()
 

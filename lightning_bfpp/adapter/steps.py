@@ -150,10 +150,12 @@ _warned_mean_states: set[str] = set()
 def _local_metric(module: nn.Module, ref: MetricRef, device: torch.device) -> Metric:
     metric = module.get_submodule(ref.attribute)
     set_metric_step_value(metric, _to(ref.forward_cache, device), ref.update_count)
-    if ref.attribute not in _warned_mean_states and any(fx is dim_zero_mean for fx in metric_reductions(metric).values()):
+    if ref.attribute not in _warned_mean_states and any(fx is dim_zero_mean
+                                                        for fx in metric_reductions(metric).values()):
         _warned_mean_states.add(ref.attribute)
         rank_zero_warn(f"{ref.attribute}: a Metric with mean-reduced states is averaged over every rank at compute(), "
-                       "including the pipeline ranks that hold no output; use sum-reduced states under strategy='bfpp'.")
+                       "including the pipeline ranks that hold no output; use sum-reduced states under "
+                       "strategy='bfpp'.")
     return metric
 
 

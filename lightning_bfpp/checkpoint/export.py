@@ -58,8 +58,8 @@ def _optimizer_request(metadata, meta: dict, folder: Path) -> dict[str, dict]:
     """{"optimizer_<i>": {flattened key: an empty tensor of the saved shape, or None for a setting}} for dcp_load."""
     groups = meta.get("bfpp", {}).get("optimizer_groups")
     if groups is None:
-        raise CheckpointError(f"{folder} does not record its optimizer's param groups (written by lightning-bfpp before "
-                              "`export --full`): export its weights only (without --full).")
+        raise CheckpointError(f"{folder} does not record its optimizer's param groups (written by lightning-bfpp "
+                              "before `export --full`): export its weights only (without --full).")
     request: dict[str, dict] = {f"optimizer_{i}": {} for i in range(len(groups))}
     for key, value in metadata.state_dict_metadata.items():
         head, _, rest = key.partition(".")
@@ -81,10 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("checkpoint", type=Path, help="checkpoint folder written by strategy='bfpp'")
     p.add_argument("out", type=Path, help="output file, e.g. model.ckpt")
     p.add_argument("--full", action="store_true",
-                   help="also the optimizer state, loops, callbacks and LR schedulers: a plain Lightning checkpoint that "
-                        "strategy='auto' and DDP resume")
+                   help="also the optimizer state, loops, callbacks and LR schedulers: a plain Lightning checkpoint "
+                        "that strategy='auto' and DDP resume")
     p.add_argument("--trust", action="store_true",
-                   help=f"unpickle without restrictions (only for a checkpoint from a source you trust; or {TRUST_ENV}=1)")
+                   help="unpickle without restrictions (only for a checkpoint from a source you trust; or "
+                        f"{TRUST_ENV}=1)")
     a = p.parse_args(argv)
     try:
         state = export(a.checkpoint, a.out, trust=a.trust, full=a.full)

@@ -141,12 +141,14 @@ def check_folder(folder: Path, trust: bool = False) -> tuple[Metadata, dict[str,
                                           f"of them, e.g. the newest complete, ckpt_path={inside}.")
                 raise CheckpointError(f"ckpt_path={str(folder)!r} is not a bfpp checkpoint folder (no {DCP_METADATA}, "
                                       f"no {META_FILE}).{newest_note(folder)}")
-            raise CheckpointError(f"{folder / name} is missing: {folder} is not a complete checkpoint.{newest_note(folder)}")
+            raise CheckpointError(f"{folder / name} is missing: {folder} is not a complete "
+                                  f"checkpoint.{newest_note(folder)}")
     manifest = read_manifest(folder)
     for name, info in (manifest or {"files": {}})["files"].items():
         f = folder / name
         if not f.is_file():
-            raise CheckpointError(f"{f} is missing (listed in {MANIFEST}): the checkpoint is incomplete.{newest_note(folder)}")
+            raise CheckpointError(f"{f} is missing (listed in {MANIFEST}): the checkpoint is "
+                                  f"incomplete.{newest_note(folder)}")
         if f.stat().st_size != info.get("bytes"):
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {MANIFEST} says {info.get('bytes')}: the file is "
                                   f"truncated or damaged.{newest_note(folder)}")
@@ -166,7 +168,8 @@ def check_folder(folder: Path, trust: bool = False) -> tuple[Metadata, dict[str,
                                   f"truncated.{newest_note(folder)}")
     meta = load_file(folder / META_FILE, trust, map_location="cpu")
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{folder / META_FILE} holds a {type(meta).__name__}, not Lightning's checkpoint metadata.")
+        raise CheckpointError(f"{folder / META_FILE} holds a {type(meta).__name__}, not Lightning's checkpoint "
+                              "metadata.")
     return metadata, meta, manifest
 
 

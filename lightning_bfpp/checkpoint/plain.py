@@ -48,18 +48,20 @@ def named_state(plain: dict[str, Any], groups: Groups, shapes: dict[str, torch.S
     sizes = [len(g.get("params", ())) for g in saved]
     if sizes != [len(g) for g in groups]:
         raise CheckpointError(
-            f"{source}: its optimizer has {len(saved)} param group(s) of {sizes} parameters; this model's optimizer has "
-            f"{len(groups)} of {[len(g) for g in groups]}. Resume with the configure_optimizers it was saved with.")
+            f"{source}: its optimizer has {len(saved)} param group(s) of {sizes} parameters; this model's optimizer "
+            f"has {len(groups)} of {[len(g) for g in groups]}. Resume with the configure_optimizers it was saved "
+            "with.")
     by_position = {i: n for group, names in zip(saved, groups) for i, n in zip(group["params"], names)}
     state = {by_position[i]: s for i, s in plain.get("state", {}).items()}
     for name, entries in state.items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shapes.get(name):
                 raise CheckpointError(
-                    f"{source}: optimizer state {key!r} of the parameter at position {_position(by_position, name)} has "
-                    f"shape {tuple(value.shape)}, but that position is {name} {tuple(shapes.get(name, ()))} in this model: "
-                    "its configure_optimizers listed the parameters in another order than the model's. Resume it "
-                    "under the strategy that wrote it, or export its weights only.")
+                    f"{source}: optimizer state {key!r} of the parameter at position "
+                    f"{_position(by_position, name)} has shape {tuple(value.shape)}, but that position is {name} "
+                    f"{tuple(shapes.get(name, ()))} in this model: its configure_optimizers listed the parameters in "
+                    "another order than the model's. Resume it under the strategy that wrote it, or export its "
+                    "weights only.")
     return state, [{k: v for k, v in group.items() if k != "params"} for group in saved]
 
 

@@ -115,7 +115,8 @@ def read_dcp_metadata(folder: Path, trust: bool = False, rank: int | None = None
             raise CheckpointError(f"{file}: not readable DCP metadata ({type(e).__name__}: {e}); it is damaged or "
                                   "truncated.") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: not a checkpoint bfpp wrote.")
+        raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata: not a checkpoint bfpp "
+                              "wrote.")
     return metadata
 
 

@@ -118,7 +118,8 @@ def compute_side_inputs(fn: Any, inputs: Any) -> dict[str, Any]:
 
 def check_boundary(value: Any, where: str) -> None:
     """Raise a TypeError naming `where` (a layer and its stage) when `value` cannot cross a stage boundary."""
-    if isinstance(value, torch.Tensor) or (isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value)):
+    if isinstance(value, torch.Tensor) or (isinstance(value, tuple)
+                                           and all(isinstance(v, torch.Tensor) for v in value)):
         return
     raise TypeError(f"bfpp: {where} returned {describe_structure(value)}: {BOUNDARY_RULE}.")
 

@@ -34,9 +34,10 @@ def local_directory(name_or_path: str | os.PathLike, hub_kwargs: dict[str, Any],
         return Path(snapshot_download(str(name_or_path), allow_patterns=patterns, **hub_kwargs)) / subfolder
     except Exception as err:
         raise OSError(
-            f"CausalLM.from_pretrained({str(name_or_path)!r}): no such local directory, and the Hugging Face Hub did not "
-            f"provide it ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a directory written "
-            "by save_pretrained, or download one where the network allows (`hf download NAME --local-dir DIR`)."
+            f"CausalLM.from_pretrained({str(name_or_path)!r}): no such local directory, and the Hugging Face Hub did "
+            f"not provide it ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a "
+            "directory written by save_pretrained, or download one where the network allows (`hf download NAME "
+            "--local-dir DIR`)."
         ) from err
 
 
@@ -141,10 +142,11 @@ class SafetensorsWeights:
             if key is None and n in params:
                 some = ", ".join(list(self.file_of)[:3])
                 raise ValueError(
-                    f"CausalLM.from_pretrained: {self.directory} stores no {prefix + n} (nor a name tied to it); it stores "
-                    f"e.g. {some}. transformers renames some models' stored keys when it loads them (mixture-of-experts "
-                    "layers, older formats); bfpp reads the names the model has. Load it in memory instead: "
-                    "CausalLM(XForCausalLM.from_pretrained(path)), or save it again with save_pretrained from such a model."
+                    f"CausalLM.from_pretrained: {self.directory} stores no {prefix + n} (nor a name tied to it); it "
+                    f"stores e.g. {some}. transformers renames some models' stored keys when it loads them "
+                    "(mixture-of-experts layers, older formats); bfpp reads the names the model has. Load it in "
+                    "memory instead: CausalLM(XForCausalLM.from_pretrained(path)), or save it again with "
+                    "save_pretrained from such a model."
                 )
             if key is None:
                 self.missing.append(prefix + n)

@@ -101,9 +101,10 @@ def _readers(model: nn.Module, kinds: dict[str, str], required: bool = True) -> 
         if not required:
             return set()
         raise ValueError(
-            f"sequence_parallel=True: {type(model).__name__}'s decoder layer has column-wise projections {sorted(kinds)} "
-            "that are not grouped under attention and MLP modules, so there is no module to gather the sequence for; "
-            "use sequence_parallel=False, or subclass CausalLM and return its plan from pipeline_tp_plan."
+            f"sequence_parallel=True: {type(model).__name__}'s decoder layer has column-wise projections "
+            f"{sorted(kinds)} that are not grouped under attention and MLP modules, so there is no module to gather "
+            "the sequence for; use sequence_parallel=False, or subclass CausalLM and return its plan from "
+            "pipeline_tp_plan."
         )
     return readers
 
@@ -136,8 +137,8 @@ def sp_plan(model: nn.Module, layer: nn.Module, kinds: dict[str, str], kind: str
         if sub in gathered or next(child.parameters(), None) is None:
             continue
         if "norm" not in type(child).__name__.lower():
-            raise ValueError(f"{where} has {child_name} ({type(child).__name__}), which is neither a norm nor split by the "
-                             "model's plan: on a sequence shard it would not see the whole sequence. Use "
+            raise ValueError(f"{where} has {child_name} ({type(child).__name__}), which is neither a norm nor split "
+                             "by the model's plan: on a sequence shard it would not see the whole sequence. Use "
                              "sequence_parallel=False.")
         out[sub] = sequence_parallel_norm()
     out.update({sub: to_shard for sub, style in kinds.items() if style == "rowwise"})

@@ -69,9 +69,11 @@ class JobGuard:
         requeue = slurm_requeue_signal(cluster_environment)
         self.watchdog = Watchdog(global_rank, world_size, on_exit=self.kill_children,
                                  signals=STOP_SIGNALS + ((requeue,) if requeue else ()),
-                                 on_signal_stop=(lambda signum: requeue_slurm_job()) if requeue and global_rank == 0 else None,
-                                 save_grace_s=(lambda signum: grace_s or default_grace_s(signum, cluster_environment, requeue))
-                                 if save else None)
+                                 on_signal_stop=((lambda signum: requeue_slurm_job())
+                                                 if requeue and global_rank == 0 else None),
+                                 save_grace_s=((lambda signum: grace_s
+                                                or default_grace_s(signum, cluster_environment, requeue))
+                                               if save else None))
         self.watchdog.start()
         self.failed, self.preempted = False, None
 

@@ -23,7 +23,8 @@ from .ending import FAILED, say_stop
 
 LAUNCHER_PID = "BFPP_LAUNCHER_PID"  # set by the launching process for the child ranks it starts
 _LAUNCHED_BY = os.environ.pop(LAUNCHER_PID, "")  # in such a child: its launcher's pid (read once, not passed on)
-OBSERVER_WAIT = 9.0  # seconds the launching process gives its watchdog (1 s poll + 5 s grace + 1 s) after a child's failure
+# seconds the launching process gives its watchdog (1 s poll + 5 s grace + 1 s) after a child's failure
+OBSERVER_WAIT = 9.0
 
 
 class CheckingLauncher(SubprocessScriptLauncher):

@@ -55,7 +55,8 @@ class _Measured:
     def layer_params(self, tensor_parallel: int = 1) -> list[int]:
         return list(self.measured.params)
 
-    def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1, sequence_parallel: bool = False) -> Layers:
+    def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1,
+               sequence_parallel: bool = False) -> Layers:
         return self.measured
 
 
@@ -105,7 +106,8 @@ def measure_layers(module: Any, layers: Sequence[nn.Module], inputs: Any, target
         layer.register_forward_pre_hook(lambda _m, _a, i=i: current.__setitem__(0, i)),
         layer.register_forward_hook(lambda m, a, out, i=i: done(m, a, out, i)))]
     hooks += [m.register_forward_hook(lambda m, a, out, i=i: weighted(m, a, out, i))
-              for i, layer in enumerate(layers) for m in layer.modules() if next(m.parameters(recurse=False), None) is not None]
+              for i, layer in enumerate(layers) for m in layer.modules()
+              if next(m.parameters(recurse=False), None) is not None]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if current[0] >= 0 and t.data_ptr() not in owner:
@@ -165,7 +167,8 @@ def plan_layout(layers: Layers, cluster: Cluster, world: int, global_batch: int,
     exhaustive = bool({"micro_batches", "groups", "reshard_after_forward"} & set(pinned))
     if stage_count:  # an explicit cut's length: one search per pp x loops = stage_count (pinned knobs kept)
         spaces = [{**space, "min_pipeline_parallel": d, "max_pipeline_parallel": d, "loops": [stage_count // d]}
-                  for d in divisors(stage_count) if (pp or d) == d and pinned.get("loops", stage_count // d) == stage_count // d]
+                  for d in divisors(stage_count)
+                  if (pp or d) == d and pinned.get("loops", stage_count // d) == stage_count // d]
     else:
         spaces = [space]
     plans = sorted((p for sp in spaces for p in search(model, cluster, global_batch, options=options, top=RERANK,
@@ -184,7 +187,8 @@ def plan_layout(layers: Layers, cluster: Cluster, world: int, global_batch: int,
         raise LayoutError(
             f"layout='auto' found no layout of {len(layers)} layers on {world} processes for global_batch_size="
             f"{global_batch} that keeps {shown} and fits in {cluster.usable_memory / 1e9:.1f} GB per process; unpin a "
-            "knob, change global_batch_size (it must split over data_parallel x micro_batches), or set the layout by hand.")
+            "knob, change global_batch_size (it must split over data_parallel x micro_batches), or set the layout by "
+            "hand.")
     ranked = [_with_cut(model, cluster, p, options) for p in legal[:RERANK]]
     ranked = [r for r in ranked if r[0].fits] or ranked
     ranked.sort(key=lambda r: (-round(r[0].tokens_per_second_per_device, 6), r[0].peak_memory))

@@ -130,7 +130,8 @@ def sample_micro_batch(module: Any, trainer: Any, micro_batches: int) -> tuple[A
 
 def time_balanced_stage_layers(times: Sequence[float], num_stages: int) -> list[int]:
     """Layers per stage minimising the slowest stage's summed time (contiguous, at least one layer each)."""
-    scale = 1e6 / max(max(times), 1e-12)  # integer costs for balanced_stage_layers, resolution 1e-6 of the slowest layer
+    # integer costs for balanced_stage_layers, resolution 1e-6 of the slowest layer
+    scale = 1e6 / max(max(times), 1e-12)
     return balanced_stage_layers([round(t * scale) for t in times], num_stages)
 
 

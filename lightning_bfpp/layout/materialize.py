@@ -32,9 +32,9 @@ def _check_metrics(root: nn.Module) -> None:
         if isinstance(states, dict) and any(isinstance(v, torch.Tensor) and v.is_meta for v in states.values()):
             raise ValueError(
                 f"metric {name} ({type(module).__name__}) was created on the meta device (inside "
-                "trainer.init_module(empty_init=True) or torch.device('meta')): its states hold no values and cannot be "
-                "initialized. Create metrics outside that context, e.g. under `with torch.device('cpu'):` in __init__ "
-                "(examples/gpt.py does), or build the layers in configure_model."
+                "trainer.init_module(empty_init=True) or torch.device('meta')): its states hold no values and cannot "
+                "be initialized. Create metrics outside that context, e.g. under `with torch.device('cpu'):` in "
+                "__init__ (examples/gpt.py does), or build the layers in configure_model."
             )
 
 
@@ -122,8 +122,9 @@ def seeded_init(module: nn.Module, seed: int | None = None, device: torch.device
     (new memory on `device`; default: where each tensor is, CPU for meta tensors): each module under its own seed from
     `seed` (default ``torch.initial_seed()``, which ``seed_everything(s)`` sets to ``s``) and its name. A one-process
     reference for a meta-built model under bfpp, whatever the layout, on the same kind of device (CPU and CUDA
-    generators draw differently: ``device="cuda"`` for a GPU run). `only_meta`: leave tensors that are not on the meta device as
-    they are. Returns `module`."""
+    generators draw differently: ``device="cuda"`` for a GPU run). `only_meta`: leave tensors that are not on the meta
+    device as they are. Returns `module`."""
     base = torch.initial_seed() if seed is None else seed
-    materialize(module, torch.device(device) if device is not None else None, base, init_hook(module), everything=not only_meta)
+    materialize(module, torch.device(device) if device is not None else None, base, init_hook(module),
+                everything=not only_meta)
     return module

@@ -44,8 +44,8 @@ class LayoutPlan:
                              "layout trains that same batch, each replica loading global_batch_size / data_parallel, "
                              "strategy.replica_batch_size).")
         if self.auto_layout and tensor_parallel != 1:
-            raise ValueError(f"layout='auto' searches tensor_parallel=1 only; set the layout by hand for tensor_parallel"
-                             f"={tensor_parallel!r}.")
+            raise ValueError("layout='auto' searches tensor_parallel=1 only; set the layout by hand for "
+                             f"tensor_parallel={tensor_parallel!r}.")
         self.global_batch_size = global_batch_size
         self.decided = False  # layout="auto": decided in `decide`
         # pp = world size, decided once the world is known (layout="auto": the planner's)
@@ -115,8 +115,8 @@ class LayoutPlan:
         """The layer names of every stage this layout cuts `module`'s `layers` into; raises when they cannot be cut
         (or timed, for stage_layers="auto"), or the model's tensor-parallel plan does not fit."""
         if self.stage_layers == "auto" and has_meta_tensors(module):
-            raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta device: "
-                             "give the layers per stage, or let bfpp balance them by parameter count (None).")
+            raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta "
+                             "device: give the layers per stage, or let bfpp balance them by parameter count (None).")
         stages = plan_stages(module, layers, self.spec.num_stages, None if self.undecided else self.stage_layers)
         if self.dims.tensor_parallel > 1:
             layer_plans(module, layers, self.dims.tensor_parallel, self.dims.sequence_parallel)  # the model's plan

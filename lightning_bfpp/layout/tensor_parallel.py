@@ -207,9 +207,9 @@ def layer_plans(root: nn.Module, layers: Sequence[nn.Module], tensor_parallel: i
                         full = f"{prefix.get(id(sub), name + '.' + sub_name)}.{p_name}"
                         others = [n for n in names[id(p)] if n != full]
                         raise ValueError(
-                            f"{where}: {full} is tied to {others[0]} (one weight, two modules); a tied weight cannot be "
-                            f"split by the tensor-parallel plan. Leave {key!r} out of the plan for this layer (it stays "
-                            "whole on every tensor-parallel rank), or untie the weights."
+                            f"{where}: {full} is tied to {others[0]} (one weight, two modules); a tied weight "
+                            f"cannot be split by the tensor-parallel plan. Leave {key!r} out of the plan for this "
+                            "layer (it stays whole on every tensor-parallel rank), or untie the weights."
                         )
         plans[id(layer)] = (name, layer, plan)
     return plans

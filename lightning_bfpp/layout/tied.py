@@ -15,7 +15,8 @@ from ..schedule.dims import ParallelDims
 from .mesh import local_tensor, shared_group
 
 
-def find_shared_weights(layers_by_name: dict[str, nn.Module], stage_names: Sequence[Sequence[str]]) -> list[dict[int, str]]:
+def find_shared_weights(layers_by_name: dict[str, nn.Module],
+                        stage_names: Sequence[Sequence[str]]) -> list[dict[int, str]]:
     """For each parameter used by layers of more than one stage: {stage: qualified name of its use there}."""
     uses: dict[int, dict[int, str]] = {}
     for s, group in enumerate(stage_names):
@@ -65,7 +66,8 @@ class TiedWeights:
             mine = [uses[s] for s in stages if s in local]
             original = root.get_parameter(mine[0]) if mine else None
             for name in mine[1:]:
-                _set_parameter(root, name, nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
+                _set_parameter(root, name,
+                               nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
             self._names.append(mine)
             self._first.append(uses[stages[0]] if stages[0] in local else None)
             # a meta-built model initializes a tensor held twice by its first holder in module order
@@ -98,7 +100,8 @@ class TiedWeights:
     def not_counted(self) -> set[int]:
         """ids of the copies left out of the global gradient norm: each shared weight counts once."""
         return {
-            id(self.root.get_parameter(n)) for names, first in zip(self._names, self._first) for n in names if n != first
+            id(self.root.get_parameter(n))
+            for names, first in zip(self._names, self._first) for n in names if n != first
         }
 
     @torch.no_grad()
@@ -110,7 +113,8 @@ class TiedWeights:
             if not names:
                 continue
             params = [self.root.get_parameter(n) for n in names]
-            value = self.root.get_parameter(source).detach().clone() if source is not None else torch.zeros_like(params[0])
+            value = (self.root.get_parameter(source).detach().clone() if source is not None
+                     else torch.zeros_like(params[0]))
             if group is not None:
                 dist.all_reduce(value, group=group)  # one rank contributes its value, the others zeros: exact
             for p in params:
@@ -123,7 +127,8 @@ class TiedWeights:
             if not params or not params[0].requires_grad:
                 continue
             grads = [local_tensor(p.grad) if p.grad is not None else None for p in params]
-            total = torch.zeros_like(local_tensor(params[0]), dtype=next((g.dtype for g in grads if g is not None), None))
+            total = torch.zeros_like(local_tensor(params[0]),
+                                     dtype=next((g.dtype for g in grads if g is not None), None))
             for g in grads:
                 if g is not None:
                     total += g

@@ -13,8 +13,8 @@ from .instrument import MEMORY_KEYS, TIMELINE_KEYS, gather_stats, local_bytes, o
 
 def check_every_n_steps(every_n_steps: int | None) -> int | None:
     if every_n_steps is not None and not is_count(every_n_steps, 0):
-        raise ValueError(f"measure_every_n_steps={every_n_steps!r} must be None (Lightning's logging steps), a positive "
-                         "integer N (every N-th step) or 0 (never).")
+        raise ValueError(f"measure_every_n_steps={every_n_steps!r} must be None (Lightning's logging steps), a "
+                         "positive integer N (every N-th step) or 0 (never).")
     return every_n_steps
 
 

@@ -167,7 +167,7 @@ class PipelineRunner:
             out, losses = self._run("train", inputs, target, keep_outputs)
         if self.grad_sync is not None:
             self.grad_sync.wait()
-        loss = torch.stack([l.detach() for l in losses]).mean() if losses else None
+        loss = torch.stack([micro.detach() for micro in losses]).mean() if losses else None
         return loss, _detach(out) if keep_outputs else None
 
     def predict_step(self, inputs: Any) -> Any:

@@ -22,11 +22,11 @@ def clip_grad_norm_global(
     not_counted: Collection[int] = (),
     tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Clip by the norm over ALL parameters of the model: torch's `get_total_norm` of the local stages' (sharded)
-    grads, squared and summed over the pipeline group and, for sharded grads, the data-parallel group; then
-    torch's `clip_grads_with_norm_`. Parameters whose id is in `not_counted`
-    (extra copies of a shared weight) are scaled but left out of the norm. With `tp_group`, the parts of
-    tensor-parallel-split grads are summed over it; grads every tp rank holds whole count once. Returns the total norm."""
+    """Clip by the norm over ALL parameters of the model: torch's `get_total_norm` of the local stages' (sharded) grads,
+    squared and summed over the pipeline group and, for sharded grads, the data-parallel group; then torch's
+    `clip_grads_with_norm_`. Parameters whose id is in `not_counted` (extra copies of a shared weight) are scaled but
+    left out of the norm. With `tp_group`, the parts of tensor-parallel-split grads are summed over it; grads every tp
+    rank holds whole count once. Returns the total norm."""
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
     params = [p for p in params if p.grad is not None]

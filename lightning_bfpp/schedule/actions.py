@@ -15,7 +15,7 @@ class ScheduleError(ValueError):
     """A schedule setting is illegal, or a generated schedule is invalid."""
 
 
-class Op(str, Enum):
+class Op(str, Enum):  # noqa: UP042  (a StrEnum would print its value: str(Op.FORWARD) would be "F", not "Op.FORWARD")
     FORWARD = "F"
     BACKWARD = "B"
     BACKWARD_INPUT = "I"  # zero bubble: a backward's input-gradient part (what the previous stage waits for)
@@ -63,8 +63,8 @@ class ScheduleSpec:
         pipeline_parallel: number of pipeline ranks (pp).
         loops: stages per pipeline rank; stage ``s`` lives on rank ``s % pp``.
         micro_batches: micro-batches per optimizer step (m), split from the per-replica batch.
-        groups: breadth-first (and breadth_first_zb) only — run the m micro-batches as ``groups`` sequential breadth-first
-            passes (accumulating gradients); divides activation memory, multiplies weight all-gathers.
+        groups: breadth-first (and breadth_first_zb) only — run the m micro-batches as ``groups`` sequential
+            breadth-first passes (accumulating gradients); divides activation memory, multiplies weight all-gathers.
         reshard_after_forward: FSDP policy — free gathered weights after a stage's forward pass and
             gather them again before its backward pass (less memory, twice the all-gathers).
         forward_only: evaluation/prediction: forward actions only, no gradient reduction.

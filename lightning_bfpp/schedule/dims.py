@@ -192,8 +192,8 @@ class ParallelDims:
             fits = [t for t in divisors(node) if world % (pp * t) == 0]
             raise LayoutError(
                 f"{n.pipeline_parallel} x {n.tensor_parallel} = {pp} x {tp} must divide the world size {world} "
-                f"({n.world}; data parallel = world / (pipeline x tensor parallel)); use {n.tensor_parallel} in {fits}, "
-                f"or another {n.pipeline_parallel}.")
+                f"({n.world}; data parallel = world / (pipeline x tensor parallel)); use {n.tensor_parallel} in "
+                f"{fits}, or another {n.pipeline_parallel}.")
 
     def _check_layers(self, num_layers: int, n: Names) -> None:
         pp, loops = self.spec.pipeline_parallel, self.spec.loops
@@ -227,7 +227,8 @@ def micro_batch_size(replica_batch: int, micro_batches: int, names: Names = Name
     if replica_batch % micro_batches:
         raise LayoutError(
             f"{names.replica_batch}={replica_batch} (per data-parallel replica) is not a multiple of "
-            f"{names.micro_batches}={micro_batches}; change one of them (a loader's ragged last batch: drop_last=True).")
+            f"{names.micro_batches}={micro_batches}; change one of them (a loader's ragged last batch: "
+            "drop_last=True).")
     return replica_batch // micro_batches
 
 

@@ -19,7 +19,8 @@ def check_spec(spec: ScheduleSpec, names=None) -> None:
     for key, hint in hints.items():
         value = getattr(spec, key)
         if not is_count(value):
-            raise ScheduleError(f"{n(key)}={value!r} must be a positive integer (>= 1; {hint}); set {n(key)}=1 or more.")
+            raise ScheduleError(f"{n(key)}={value!r} must be a positive integer (>= 1; {hint}); set {n(key)}=1 or "
+                                "more.")
     pp, loops, m, groups = spec.pipeline_parallel, spec.loops, spec.micro_batches, spec.groups
     if spec.name not in LOOPED_SCHEDULES and loops != 1:
         raise ScheduleError(
@@ -37,7 +38,8 @@ def check_spec(spec: ScheduleSpec, names=None) -> None:
     if spec.name == "depth_first" and loops > 1 and m % pp:
         raise ScheduleError(
             f"{n('schedule')}=depth_first with {n('loops')}={loops} needs {n('micro_batches')} ({m}) divisible by "
-            f"{n('pipeline_parallel')} ({pp}); change {n('micro_batches')} (e.g. {n('micro_batches')}={-(-m // pp) * pp})."
+            f"{n('pipeline_parallel')} ({pp}); change {n('micro_batches')} (e.g. "
+            f"{n('micro_batches')}={-(-m // pp) * pp})."
         )
 
 

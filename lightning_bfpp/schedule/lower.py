@@ -110,7 +110,7 @@ def lower(spec: ScheduleSpec, compute: dict[int, list[Action]]) -> dict[int, lis
     """Complete per-rank action lists: FSDP actions plus p2p sends (right after the producing compute)
     and receives (posted one compute ahead of the consumer, in the sender's order on each rank pair)."""
     channel_sends: dict[tuple[int, int], list[Action]] = defaultdict(list)  # (src, dst) -> recv actions
-    for rank, order in compute.items():
+    for order in compute.values():
         for a in order:
             msg = _message(a, spec)
             if msg:

@@ -11,7 +11,8 @@ def balanced_stage_layers(weights: Sequence[int], num_stages: int) -> list[int]:
     if num_stages > n:
         raise ValueError(
             f"{num_stages} stages (pipeline_parallel x loops) need at least as many layers, "
-            f"but pipeline_layers() returns {n}; lower pipeline_parallel or loops so that pipeline_parallel x loops <= {n}."
+            f"but pipeline_layers() returns {n}; lower pipeline_parallel or loops so that pipeline_parallel x loops "
+            f"<= {n}."
         )
     prefix = [0]
     for w in weights:

@@ -34,7 +34,8 @@ def validate(schedule: Schedule) -> list[tuple[int, Action]]:
     for r in ranks:
         for a in r.actions:
             if spec.stage_rank(a.stage) != r.rank:
-                raise ScheduleError(f"rank {r.rank} runs {a}, but stage {a.stage} lives on rank {spec.stage_rank(a.stage)}")
+                raise ScheduleError(f"rank {r.rank} runs {a}, but stage {a.stage} lives on rank "
+                                    f"{spec.stage_rank(a.stage)}")
     run = _Run(spec)
     run.until_done(ranks)
     _check_complete(schedule, ranks, run.sent, run.recvd)

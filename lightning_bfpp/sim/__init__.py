@@ -19,6 +19,7 @@ from .model import Layers, Model, WireBytes
 from .simulate import MEGATRON, Event, SimOptions, SimResult, evaluate, simulate
 
 __all__ = [
-    "Cluster", "Costs", "LayerTimes", "Layers", "Model", "WireBytes", "StageCost", "build_costs", "message_bytes", "ring_time", "unit_costs", "MemoryReport",
+    "Cluster", "Costs", "LayerTimes", "Layers", "Model", "WireBytes", "StageCost", "build_costs", "message_bytes",
+    "ring_time", "unit_costs", "MemoryReport",
     "memory_report", "draw_schedule", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
 ]

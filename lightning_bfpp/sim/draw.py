@@ -1,6 +1,6 @@
-"""Gantt picture of one training step — one compute lane per pipeline rank (colour per stage,
-forward light, backward (or its input part I) dark and hatched, weight part W dotted, micro-batch numbers in the boxes) and a thin comm lane under
-it (FSDP all-gather, gradient reduction, p2p sends). Times come from the simulator's timeline."""
+"""Gantt picture of one training step — one compute lane per pipeline rank (colour per stage, forward light, backward
+(or its input part I) dark and hatched, weight part W dotted, micro-batch numbers in the boxes) and a thin comm lane
+under it (FSDP all-gather, gradient reduction, p2p sends). Times come from the simulator's timeline."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -63,7 +63,8 @@ def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: in
     width = min(max(8.0, 0.25 * sum(1 for e in events if e.kind in "FBIW") / max(len(ranks), 1)), 40.0)
     fig, ax = plt.subplots(figsize=(width, 1.0 + 0.9 * len(ranks)))
     lane, comm_h = 0.55, 0.3  # heights of the compute box and of a comm bar
-    comm_style = {"UNSHARD": ("#3b7dd8", 0), "REDUCE": ("#d8563b", 1), "SEND_F": ("#888888", 2), "SEND_B": ("#888888", 2)}
+    comm_style = {"UNSHARD": ("#3b7dd8", 0), "REDUCE": ("#d8563b", 1), "SEND_F": ("#888888", 2),
+                  "SEND_B": ("#888888", 2)}
     for e in events:
         y = (len(ranks) - 1 - ranks.index(e.rank)) * 1.0
         if e.kind in ("F", "B", "I", "W"):
@@ -74,7 +75,8 @@ def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: in
                     edgecolor="black", linewidth=0.5, hatch=hatch)
             if e.end - e.start > end / 150:
                 ax.text((e.start + e.end) / 2, y + 0.2, str(e.micro_batch), ha="center", va="center", fontsize=7,
-                        color="black", bbox=None if fwd else dict(boxstyle="square,pad=0.05", fc="white", lw=0, alpha=0.7))
+                        color="black",
+                        bbox=None if fwd else dict(boxstyle="square,pad=0.05", fc="white", lw=0, alpha=0.7))
         elif e.kind in comm_style:
             colour, row = comm_style[e.kind]
             ax.barh(y - 0.16 - row * 0.13, e.end - e.start, left=e.start, height=comm_h / 2.6, color=colour,

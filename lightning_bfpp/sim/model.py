@@ -159,7 +159,8 @@ class Model:
         logits = float(ACT_BYTES * self.seq * self.vocab)
         return [(1, act, 0, 0.0)] + [(2, 2 * act, 2, 2 * act)] * self.n_layer + [(1, logits / 2, 1, act)]
 
-    def layer_times(self, cluster: Cluster, micro_batch_size: int, tensor_parallel: int = 1) -> list[tuple[float, float]] | None:
+    def layer_times(self, cluster: Cluster, micro_batch_size: int,
+                    tensor_parallel: int = 1) -> list[tuple[float, float]] | None:
         """Measured (forward, backward) seconds per layer from `cluster.layer_times` when they were taken on
         a model of this shape, scaled linearly from the calibrated micro-batch size (and / tp); else None."""
         lt = cluster.layer_times
@@ -169,7 +170,8 @@ class Model:
         scale = lambda fb: (fb[0] * k, fb[1] * k)  # noqa: E731
         return [scale(lt.embedding)] + [scale(lt.block)] * self.n_layer + [scale(lt.head)]
 
-    def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1, sequence_parallel: bool = False) -> Layers:
+    def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1,
+               sequence_parallel: bool = False) -> Layers:
         """These layers as the cost model's data, per tp rank (per-sample activations; `cluster`'s calibrated
         layer times when they were taken on this shape)."""
         t, sp = tensor_parallel, sequence_parallel and tensor_parallel > 1

@@ -44,7 +44,8 @@ class Candidate:
     sharding: str = "full"
     reshard_after_forward: bool = False
     tensor_parallel: int = 1
-    sequence_parallel: bool = False  # tensor_parallel > 1: activations between split modules and stages are sequence shards
+    # tensor_parallel > 1: activations between split modules and stages are sequence shards
+    sequence_parallel: bool = False
     residency: str = "step"  # cost model only unless "step": FSDP weight residency (sim/residency.py)
     cache: int = 0  # stages kept gathered under residency="cache"
 
@@ -58,7 +59,8 @@ class Candidate:
         return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.tensor_parallel, spec=self.spec(),
                             tensor_parallel=self.tensor_parallel, devices_per_node=devices_per_node)
 
-    def overrides(self, *, cluster: str | None = None, model: str | None = None, batch_size: int | None = None) -> list[str]:
+    def overrides(self, *, cluster: str | None = None, model: str | None = None,
+                  batch_size: int | None = None) -> list[str]:
         """Hydra overrides for examples/train.py."""
         out = [
             f"schedule={self.schedule}",
@@ -169,7 +171,8 @@ def _orders(schedules: Sequence[str], loops: Sequence[int], m: int, max_groups: 
             if name == "depth_first" and lp == 1 and "1f1b" in schedules:
                 continue
             for groups in divisors(m) if name in BREADTH_FIRST else (1,):
-                if groups <= max_groups and not (name == "breadth_first" and lp == 1 and groups == 1 and "gpipe" in schedules):
+                if groups <= max_groups and not (name == "breadth_first" and lp == 1 and groups == 1
+                                                 and "gpipe" in schedules):
                     yield name, lp, groups
 
 
@@ -193,7 +196,8 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
                        sequence_parallel=c.sequence_parallel)
 
 
-def simulate_candidate(model: Model, cluster: Cluster, c: Candidate, options: SimOptions = SimOptions(),
+def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
+                       options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
                        *, timeline: bool = False) -> SimResult:
     return simulate(candidate_schedule(c), candidate_costs(model, cluster, c), options, timeline=timeline)
 
@@ -256,7 +260,7 @@ def search(
     cluster: Cluster,
     batch_size: int,
     *,
-    options: SimOptions = SimOptions(),
+    options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
     top: int = 10,
     include_unfit: bool = False,
     **space: Any,
@@ -284,7 +288,8 @@ def search(
             continue
         costs = candidate_costs(model, cluster, c)
         if not include_unfit and (memory_lower_bound(c, costs) > cluster.usable_memory or
-                                  costs.tokens_per_step / step_time_lower_bound(c, costs) / (c.pipeline_parallel * c.tensor_parallel) < bar):
+                                  costs.tokens_per_step / step_time_lower_bound(c, costs)
+                                  / (c.pipeline_parallel * c.tensor_parallel) < bar):
             continue
         r = simulate(candidate_schedule(c), costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
@@ -301,21 +306,24 @@ def search(
                               p.candidate.micro_batches, p.candidate.loops, p.candidate.pipeline_parallel))
     for p in plans[:top]:
         build_schedule(p.candidate.spec())  # validator: raises ScheduleError on a broken schedule
-        r = evaluate(candidate_schedule(p.candidate), candidate_costs(model, cluster, p.candidate), options, timeline=False)
+        r = evaluate(candidate_schedule(p.candidate), candidate_costs(model, cluster, p.candidate), options,
+                     timeline=False)
         p.bubble, p.exposed_comm = r.pipeline_bubble, r.exposed_comm
     return plans
 
 
 def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
     head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'tp':>3} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
-            f"{'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} {'exp.comm ms':>11}")
+            f"{'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} "
+            f"{'exp.comm ms':>11}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(plans[:limit], 1):
         c = p.candidate
         bubble = "" if p.bubble is None else f"{p.bubble:.3f}"
         exposed = "" if p.exposed_comm is None else f"{p.exposed_comm * 1e3:.1f}"
         rows.append(
-            f"{i:>3} {c.schedule:<16} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}{'s' if c.sequence_parallel else ' '}{c.loops:>5} {c.micro_batches:>4} "
+            f"{i:>3} {c.schedule:<16} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}"
+            f"{'s' if c.sequence_parallel else ' '}{c.loops:>5} {c.micro_batches:>4} "
             f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
             f"{c.residency + (str(c.cache) if c.cache else ''):<6} "
             f"{p.tokens_per_second_per_device:>11.1f} {p.step_time * 1e3:>9.1f} {p.peak_memory / 1e9:>8.2f} "

@@ -44,7 +44,8 @@ def intervals(compute: list[Action], residency: str, cache: int = 2) -> list[tup
     return sorted(closed, key=lambda iv: iv[1])
 
 
-def _fsdp_points(compute: list[Action], spans: list[tuple[int, int, int]]) -> tuple[list[list[Action]], list[list[Action]]]:
+def _fsdp_points(compute: list[Action],
+                 spans: list[tuple[int, int, int]]) -> tuple[list[list[Action]], list[list[Action]]]:
     """FSDP actions before and after each compute: the next interval's all-gather is issued when the current
     one starts (one-interval prefetch, as the schedule's lowering), or when its stage is freed; gradients are
     reduce-scattered at the end of every interval that ran a backward; weights freed at interval end."""

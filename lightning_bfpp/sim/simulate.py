@@ -3,8 +3,8 @@
 stream per pipeline rank plus an all-gather stream, a reduce stream and one p2p link per rank pair; all
 inter-node transfers of a rank (its dp collectives, its outgoing pipeline messages) share one network
 interface: collectives queue on it in issue order, and a pipeline message (small, latency-bound) goes
-first, pushing the collectives in flight back by its own transfer time (the bytes still cross one wire). Data-parallel and tensor-parallel peers are symmetric, so only the pp
-ranks of one replica's first tp slice are simulated."""
+first, pushing the collectives in flight back by its own transfer time (the bytes still cross one wire). Data-parallel
+and tensor-parallel peers are symmetric, so only the pp ranks of one replica's first tp slice are simulated."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -138,7 +138,8 @@ def _compile(schedule: Schedule) -> list[list[tuple]]:
     return programs
 
 
-def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *, timeline: bool = True) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *,
+             timeline: bool = True) -> SimResult:
     """Play `schedule` against `costs`; raise ScheduleError if the lists cannot make progress."""
     spec = schedule.spec
     if len(costs.stages) != spec.num_stages:
@@ -287,7 +288,8 @@ class _Play:
         link_end: dict[int, float] = {}
         for (src, _), t in self.links.items():  # a rank's last message may be on any of its links
             link_end[src] = max(link_end.get(src, 0.0), t)
-        ends = [max(r.host + self.costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0)) for r in self.ranks]
+        ends = [max(r.host + self.costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0))
+                for r in self.ranks]
         spec = self.schedule.spec
         memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
         return SimResult(self.schedule, max(ends), self.events or [], [r.busy for r in self.ranks], memory,
@@ -310,7 +312,8 @@ def _share_nic(r: _Rank, t: float, delay: float) -> None:
     r.nic += delay
 
 
-def evaluate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *, timeline: bool = True) -> SimResult:
+def evaluate(schedule: Schedule, costs: Costs, options: SimOptions = SimOptions(), *,
+             timeline: bool = True) -> SimResult:
     """`simulate`, plus the comm-free run that gives the pure pipeline bubble and the exposed comm time."""
     result = simulate(schedule, costs, options, timeline=timeline)
     free = simulate(schedule, costs.without_comm(), SimOptions(), timeline=False)

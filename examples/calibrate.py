@@ -307,10 +307,11 @@ def run_measurements(model_cfg: dict, *, devices: int, threads: int, micro_batch
         while True:  # a worker that dies (exit code != 0) fails the command at once instead of a 10-minute wait
             try:
                 return queue.get(timeout=2)
-            except queue_module.Empty:
+            except queue_module.Empty as err:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"calibration workers failed (exit codes {failed}) or timed out; see their output above")
+                    raise RuntimeError(f"calibration workers failed (exit codes {failed}) or timed out; see their "
+                                       "output above") from err
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -348,10 +349,12 @@ def calibrate(model: str = "gpt_small", base: str = "cpu_2", *, micro_batch_size
               f"{cluster['backward_factor']:.2f}, runtime overhead {cluster['compute_overhead'] * 1e3:.3f} ms per "
               f"action, grad scaling {cluster['grad_scale_time_per_param'] * 1e9:.2f} ns/param")
         print(f"  runtime: {info['action_inside'] * 1e3:.3f} ms inside an action (~zero-FLOP layers); around one-block "
-              f"stages: {info['action_gap'] * 1e3:.3f} ms host gap between actions, {info['p2p_delay'] * 1e3:.3f} ms from a "
-              f"producer's end to a waiting consumer's start, {info['step_ends'] * 1e3:.3f} ms per step before the first "
-              f"and after the last action (one-stage runner: {info['one_stage_overhead'] * 1e3:.3f} ms/action)")
-        print(f"  gloo: latency {cluster['latency'] * 1e6:.0f} us (runtime p2p {cluster['p2p_latency'] * 1e6:.0f} us), p2p {cluster['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
+              f"stages: {info['action_gap'] * 1e3:.3f} ms host gap between actions, {info['p2p_delay'] * 1e3:.3f} ms "
+              f"from a producer's end to a waiting consumer's start, {info['step_ends'] * 1e3:.3f} ms per step before "
+              f"the first and after the last action (one-stage runner: {info['one_stage_overhead'] * 1e3:.3f} "
+              "ms/action)")
+        print(f"  gloo: latency {cluster['latency'] * 1e6:.0f} us (runtime p2p {cluster['p2p_latency'] * 1e6:.0f} us), "
+              f"p2p {cluster['intra_node_bandwidth'] / 1e9:.2f} GB/s, "
               f"all-gather {info['ring_bandwidth']['all_gather'] / 1e9:.2f} GB/s, reduce-scatter "
               f"{info['ring_bandwidth']['reduce_scatter'] / 1e9:.2f} GB/s (ring model)")
         print(f"  clean samples (run-queue wait <= {max_wait:.0%}): {info['clean_samples']}")

@@ -71,8 +71,8 @@ def check_trainer_keys(cfg: DictConfig) -> None:
             close = get_close_matches(key, sorted(allowed), n=1)
             hint = f"did you mean trainer.{close[0]}? " if close else ""
             raise ConfigError(f"trainer.{key}={value!r} is not an argument of lightning.Trainer; {hint}Any Trainer "
-                              "argument can be given as trainer.<name>=<value> (+trainer.<name>=<value> if conf/train.yaml "
-                              "does not list it).")
+                              "argument can be given as trainer.<name>=<value> (+trainer.<name>=<value> if "
+                              "conf/train.yaml does not list it).")
     if cfg.trainer.get("strategy") not in ("bfpp", "auto"):
         raise ConfigError(f"trainer.strategy={cfg.trainer.get('strategy')!r}: use trainer.strategy=bfpp (pipelined) "
                           "or trainer.strategy=auto (plain Lightning, for comparison).")
@@ -122,8 +122,9 @@ def check_run_keys(cfg: DictConfig) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"cluster.accelerator={accelerator} (cluster={cfg.cluster.get('name')}): this machine has no "
-                              "usable GPU (torch.cuda.is_available() is False); use cluster=cpu_1, cpu_2 or cpu_4 here.")
+            raise ConfigError(f"cluster.accelerator={accelerator} (cluster={cfg.cluster.get('name')}): this machine "
+                              "has no usable GPU (torch.cuda.is_available() is False); use cluster=cpu_1, cpu_2 or "
+                              "cpu_4 here.")
 
 
 def check_precision(cfg: DictConfig) -> None:
@@ -132,14 +133,14 @@ def check_precision(cfg: DictConfig) -> None:
     value = PRECISION_ALIASES.get(str(raw), str(raw))
     allowed = BFPP_PRECISIONS if strategy == "bfpp" else AUTO_PRECISIONS
     if value == "16-true":
-        raise ConfigError(f"trainer.precision={raw!r}: fp16 weights without loss scaling overflow (the example GPT's loss "
-                          "is NaN at step 1); use trainer.precision=bf16-true (bf16 weights) or bf16-mixed.")
+        raise ConfigError(f"trainer.precision={raw!r}: fp16 weights without loss scaling overflow (the example GPT's "
+                          "loss is NaN at step 1); use trainer.precision=bf16-true (bf16 weights) or bf16-mixed.")
     if value == "16-mixed" and strategy == "bfpp":
         raise ConfigError(f"trainer.precision={raw!r} needs fp16 loss scaling, which strategy=bfpp does not do; use "
                           "trainer.precision=bf16-mixed.")
     if value == "16-mixed" and accelerator == "cpu":
-        raise ConfigError(f"trainer.precision={raw!r}: fp16 autocast with loss scaling needs a GPU (cluster.accelerator="
-                          "cpu); use trainer.precision=bf16-mixed.")
+        raise ConfigError(f"trainer.precision={raw!r}: fp16 autocast with loss scaling needs a GPU "
+                          "(cluster.accelerator=cpu); use trainer.precision=bf16-mixed.")
     if value not in allowed:
         raise ConfigError(f"trainer.precision={raw!r} is not supported with trainer.strategy={strategy}; use one of "
                           f"{', '.join(allowed)}.")
@@ -156,7 +157,8 @@ def check_model_and_data(cfg: DictConfig) -> None:
                               "(written by save_pretrained).")
         pretrained_config(cfg.model.path, "vocab_size")
     if family not in FAMILIES:
-        raise ConfigError(f"model.family={family!r} is unknown; use one of {', '.join(FAMILIES)} (e.g. model=hf_llama_tiny).")
+        raise ConfigError(f"model.family={family!r} is unknown; use one of {', '.join(FAMILIES)} (e.g. "
+                          "model=hf_llama_tiny).")
     if family != "gpt":
         try:
             import transformers  # noqa: F401
@@ -173,8 +175,9 @@ def check_model_and_data(cfg: DictConfig) -> None:
     if not (_is_number(fraction) and 0 < fraction < 1):
         raise ConfigError(f"data.val_fraction={fraction!r} must be in (0, 1); e.g. data.val_fraction=0.05.")
     if is_count(get("model.max_positions")) and get("model.block_size") > get("model.max_positions"):
-        raise ConfigError(f"model.block_size={get('model.block_size')} exceeds the saved model's max_position_embeddings="
-                          f"{get('model.max_positions')}; set model.block_size={get('model.max_positions')} or less.")
+        raise ConfigError(f"model.block_size={get('model.block_size')} exceeds the saved model's "
+                          f"max_position_embeddings={get('model.max_positions')}; set "
+                          f"model.block_size={get('model.max_positions')} or less.")
     if get("data.block_size") > get("model.block_size"):
         raise ConfigError(
             f"data.block_size={get('data.block_size')} must be <= model.block_size={get('model.block_size')} (the "
@@ -199,7 +202,8 @@ def check_optim(cfg: DictConfig) -> None:
                       "must be two numbers in [0, 1)", "e.g. optim.betas=[0.9,0.95]"))
         rules.append(("eps", lambda v: _is_number(v) and v > 0, "must be a number > 0", "e.g. optim.eps=1e-8"))
     else:
-        rules.append(("momentum", lambda v: _is_number(v) and 0 <= v < 1, "must be in [0, 1)", "e.g. optim.momentum=0.9"))
+        rules.append(("momentum", lambda v: _is_number(v) and 0 <= v < 1, "must be in [0, 1)",
+                      "e.g. optim.momentum=0.9"))
     for key, holds, rule, fix in rules:
         value = OmegaConf.select(o, key)
         shown = list(value) if OmegaConf.is_list(value) else value
@@ -251,7 +255,8 @@ def check_layout(cfg: DictConfig) -> int:
     return dims.data_parallel
 
 
-def corpus_windows(max_bytes: int, val_fraction: float, block_size: int, stride: int | None) -> tuple[int, int, int, int]:
+def corpus_windows(max_bytes: int, val_fraction: float, block_size: int,
+                   stride: int | None) -> tuple[int, int, int, int]:
     """(training bytes, training windows, validation bytes, validation windows) of examples/data.py's split
     of a `max_bytes` corpus (the stdlib holds ~30 MB, so the corpus is max_bytes long below that)."""
     cut = int(max_bytes * (1.0 - val_fraction))
@@ -285,7 +290,8 @@ def check_corpus(cfg: DictConfig, dp: int) -> None:
     train, w, val, wv = corpus_windows(d.max_bytes, fraction, block, stride)
     per_replica = f"{batch // dp} per data-parallel replica x {dp}" if dp > 1 else "one replica"
     if w < batch:
-        every, smaller = (f" starting every data.stride={stride} bytes", ", a smaller data.stride") if stride else ("", "")
+        every, smaller = ((f" starting every data.stride={stride} bytes", ", a smaller data.stride") if stride
+                          else ("", ""))
         raise ConfigError(
             f"data.max_bytes={d.max_bytes} is too small: its training split ({train} bytes) holds {w} windows of "
             f"data.block_size + 1 = {block + 1} bytes{every}, fewer than one batch of data.batch_size={batch} "

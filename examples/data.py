@@ -103,7 +103,7 @@ class CorpusDataModule(L.LightningDataModule):
         return replica_batch_size(self.batch_size, *self._layout())
 
     def setup(self, stage: str | None = None) -> None:
-        self.per_replica_batch_size  # fail early, naming the settings
+        _ = self.per_replica_batch_size  # fail early, naming the settings
         if self.train_set is None:
             train, val = split_corpus(load_corpus(self.max_bytes), self.val_fraction)
             self.train_set = ByteWindows(train, self.block_size, self.stride)

@@ -26,7 +26,8 @@ def _int(key: str, value) -> int:
 
 def spec_from_cfg(s: DictConfig) -> ScheduleSpec:
     return ScheduleSpec(str(s.name), pipeline_parallel=_int("schedule.pipeline_parallel", s.pipeline_parallel),
-                        loops=_int("schedule.loops", s.loops), micro_batches=_int("schedule.micro_batches", s.micro_batches),
+                        loops=_int("schedule.loops", s.loops),
+                        micro_batches=_int("schedule.micro_batches", s.micro_batches),
                         groups=_int("schedule.groups", s.groups), reshard_after_forward=bool(s.reshard_after_forward))
 
 

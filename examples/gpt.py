@@ -63,14 +63,16 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.head_size, self.dropout, self.checkpointing = cfg.n_embd // cfg.n_head, cfg.dropout, cfg.activation_checkpointing
+        self.head_size, self.dropout, self.checkpointing = (cfg.n_embd // cfg.n_head, cfg.dropout,
+                                                            cfg.activation_checkpointing)
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         # separate query/key/value projections: tensor parallel splits each by heads (see GPT.pipeline_tp_plan)
         self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout)
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+            nn.Dropout(cfg.dropout),
         )
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -123,7 +125,8 @@ class GPT(PipelineHooks, L.LightningModule):
         # eval metrics (torchmetrics, synced over data parallel at epoch end): next-byte accuracy, bits per byte
         # (on the CPU even inside trainer.init_module(empty_init=True): metric states are values, not weights)
         with torch.device("cpu"):
-            metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro"), "bpb": MeanMetric()})
+            metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro"),
+                                        "bpb": MeanMetric()})
         self.val_metrics, self.test_metrics = metrics.clone(prefix="val_"), metrics.clone(prefix="test_")
         if cfg.tie_weights:
             self.head.lm_head.weight = self.embedding.tok.weight
@@ -161,9 +164,9 @@ class GPT(PipelineHooks, L.LightningModule):
                          sequence_parallel: bool = False) -> dict | None:
         """Megatron-style split of each block: q/k/v column-wise (n_head / tp heads per rank), proj row-wise (its
         output all-reduced, replicated); MLP up column-wise, down row-wise; ln_1 and ln_2 hand their output on as one
-        replicated tensor (so the gradient of q/k/v's input is all-reduced once, not three times). Untied, the token embedding is split by
-        vocabulary rows (lookups summed over the tp group) and the output head by vocabulary columns (logits
-        gathered); tied, both stay whole (a tied weight cannot be split). Every layer's output is whole.
+        replicated tensor (so the gradient of q/k/v's input is all-reduced once, not three times). Untied, the token
+        embedding is split by vocabulary rows (lookups summed over the tp group) and the output head by vocabulary
+        columns (logits gathered); tied, both stay whole (a tied weight cannot be split). Every layer's output is whole.
         `sequence_parallel`: between layers each rank holds its 1/tp of the sequence; the norms run on it and are
         all-gathered after (ln_1, ln_2) or before (the head); proj and mlp.2 reduce-scatter instead of all-reduce;
         the embedding's output is cut to the rank's shard."""
@@ -179,9 +182,9 @@ class GPT(PipelineHooks, L.LightningModule):
 
         if self.cfg.n_head % tensor_parallel:
             fits = [t for t in range(1, self.cfg.n_head + 1) if self.cfg.n_head % t == 0]
-            raise ValueError(f"model.n_head={self.cfg.n_head} must be divisible by tensor_parallel={tensor_parallel} (each "
-                             f"tensor-parallel rank computes n_head / tp whole heads); use tensor_parallel in {fits}, or "
-                             f"model.n_head a multiple of {tensor_parallel}.")
+            raise ValueError(f"model.n_head={self.cfg.n_head} must be divisible by tensor_parallel={tensor_parallel} "
+                             "(each tensor-parallel rank computes n_head / tp whole heads); use tensor_parallel in "
+                             f"{fits}, or model.n_head a multiple of {tensor_parallel}.")
         sp = sequence_parallel
         if isinstance(layer, Embedding):
             plan = {} if self.cfg.tie_weights else {"tok": RowwiseParallel(input_layouts=Replicate())}
@@ -241,8 +244,10 @@ class GPT(PipelineHooks, L.LightningModule):
             opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
         else:
             raise ValueError(f"optim.name={o.name!r} is not one of: adamw, sgd")
-        total = max(self.trainer.max_steps, 1) if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, o.warmup_steps, total, o.min_lr_ratio))
+        total = (max(self.trainer.max_steps, 1) if self.trainer.max_steps > 0
+                 else int(self.trainer.estimated_stepping_batches))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt,
+                                                  lambda step: lr_factor(step, o.warmup_steps, total, o.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

@@ -91,7 +91,8 @@ def _layout(p) -> str:
     extra += " raf" if c.reshard_after_forward else ""
     extra += f" {c.sharding}" if c.sharding != "full" else ""
     extra += f" {c.residency}{c.cache or ''}" if c.residency != "step" else ""
-    return f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''} pp{c.pipeline_parallel} l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}"
+    return (f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''} pp{c.pipeline_parallel} "
+            f"l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}")
 
 
 def _ratio(a, b) -> str:
@@ -160,7 +161,8 @@ def _sweep_table(model: Model, knob: str, clusters: list[tuple[float, Cluster]],
 
 
 def sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
-    return _sweep_table(model, "inter-node GB/s", [(bw, replace(cluster, inter_bw=bw * 1e9)) for bw in bandwidths], betas)
+    return _sweep_table(model, "inter-node GB/s", [(bw, replace(cluster, inter_bw=bw * 1e9)) for bw in bandwidths],
+                        betas)
 
 
 def fixed_layout_sensitivity(model: Model, cluster: Cluster, bandwidths, betas) -> str:
@@ -199,7 +201,8 @@ def residency_table(model: Model, cluster: Cluster, betas=(0.5, 2)) -> str:
                 rows.append(f"| {beta:g} | {name} | — | does not fit | |")
                 continue
             c = plans[0].candidate
-            rows.append(f"| {beta:g} | {name} | {plans[0].tokens_per_second_per_device * model.flops_per_token() / 1e12:.1f} | "
+            rows.append(f"| {beta:g} | {name} | "
+                        f"{plans[0].tokens_per_second_per_device * model.flops_per_token() / 1e12:.1f} | "
                         f"{_layout(plans[0])} | {c.residency}{c.cache or ''} |")
     return "\n".join(rows)
 
@@ -209,8 +212,8 @@ def gantt(model: Model, cluster: Cluster, plan, path: Path) -> None:
 
     c = plan.candidate
     result = simulate_candidate(model, cluster, c, timeline=True)
-    draw_schedule(result, path, title=f"52B, {c.schedule} tp={c.tensor_parallel} pp={c.pipeline_parallel} loops={c.loops} "
-                  f"m={c.micro_batches}x{c.micro_batch_size} dp={c.data_parallel} (simulated seconds)")
+    draw_schedule(result, path, title=f"52B, {c.schedule} tp={c.tensor_parallel} pp={c.pipeline_parallel} "
+                  f"loops={c.loops} m={c.micro_batches}x{c.micro_batch_size} dp={c.data_parallel} (simulated seconds)")
 
 
 def main() -> None:
@@ -220,7 +223,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs"))
     parser.add_argument("--quick", action="store_true", help="fewer batch sizes, no sensitivity tables")
     parser.add_argument("--full", action="store_true", help="also activation checkpointing and achieved-compute tables")
-    parser.add_argument("--residency", action="store_true", help="only the tp=1 weight-residency table (64 GPUs, ~1 min)")
+    parser.add_argument("--residency", action="store_true",
+                        help="only the tp=1 weight-residency table (64 GPUs, ~1 min)")
     args = parser.parse_args()
     if args.residency:
         print(residency_table(*load(args.model, args.cluster)))
@@ -237,7 +241,8 @@ def main() -> None:
     results = sweep(model, cluster, betas)
     small = replace(cluster, num_nodes=8)
     results64 = sweep(model, small, betas)
-    figure([(results64, f"{args.model}, {small.world_size} GPUs"), (results, f"{args.model}, {cluster.world_size} GPUs")],
+    figure([(results64, f"{args.model}, {small.world_size} GPUs"),
+            (results, f"{args.model}, {cluster.world_size} GPUs")],
            betas, out / "paper_reproduction_throughput.png", fpt, cluster.flops)
     sections.append((f"{small.world_size} GPUs (no activation checkpointing)", tables(results64, betas, peak, fpt)))
     sections.append((f"{cluster.world_size} GPUs (model as in conf/model, no activation checkpointing)",

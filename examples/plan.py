@@ -83,22 +83,23 @@ def main(cfg: DictConfig) -> None:
     elapsed = time.perf_counter() - start
     if not plans:
         print(f"error: no layout of model={cfg.model.name} on cluster={cfg.cluster.name} with data.batch_size="
-              f"{cfg.data.batch_size} is both legal and fits: either plan.schedules / plan.loops / plan.tensor_parallels "
-              "allow no legal layout (tensor_parallel divides cluster.devices and model.n_head; pipeline_parallel x loops "
-              "<= model.n_layer + 2; the batch splits over data_parallel x micro_batches), or none fits "
-              f"{cluster.device_memory / 1e9:.1f} GB per device ({cluster.memory_reserve / 1e9:.1f} GB reserved): then try a "
-              "smaller batch, activation checkpointing, or more devices.", file=sys.stderr)
+              f"{cfg.data.batch_size} is both legal and fits: either plan.schedules / plan.loops / "
+              "plan.tensor_parallels allow no legal layout (tensor_parallel divides cluster.devices and model.n_head; "
+              "pipeline_parallel x loops <= model.n_layer + 2; the batch splits over data_parallel x micro_batches), "
+              f"or none fits {cluster.device_memory / 1e9:.1f} GB per device ({cluster.memory_reserve / 1e9:.1f} GB "
+              "reserved): then try a smaller batch, activation checkpointing, or more devices.", file=sys.stderr)
         sys.exit(1)
     print(f"model={cfg.model.name} cluster={cfg.cluster.name} ({cluster.world_size} devices) "
-          f"data.batch_size={cfg.data.batch_size}: {len(plans)} fitting layouts simulated in full (the others could not "
-          f"reach the top {p.top}: skipped by a step-time bound), searched in {elapsed:.1f} s\n")
+          f"data.batch_size={cfg.data.batch_size}: {len(plans)} fitting layouts simulated in full (the others could "
+          f"not reach the top {p.top}: skipped by a step-time bound), searched in {elapsed:.1f} s\n")
     print(format_table(plans, int(p.top)))
     best = plans[0]
     overrides = best.candidate.overrides(cluster=cfg.cluster.name, model=cfg.model.name,
                                          batch_size=int(cfg.data.batch_size))
     c = best.candidate
     print(f"\nbest: {c.schedule} pipeline_parallel={c.pipeline_parallel} data_parallel={c.data_parallel} "
-          f"tensor_parallel={c.tensor_parallel} sequence_parallel={c.sequence_parallel} loops={c.loops} micro_batches={c.micro_batches}x{c.micro_batch_size}")
+          f"tensor_parallel={c.tensor_parallel} sequence_parallel={c.sequence_parallel} loops={c.loops} "
+          f"micro_batches={c.micro_batches}x{c.micro_batch_size}")
     print("\nbest layout for examples/train.py:\n  " + " ".join(overrides))
     if p.out:
         out = Path(HydraConfig.get().runtime.output_dir) / p.out  # an absolute plan.out stays as it is

@@ -77,9 +77,9 @@ def hf_model(m: DictConfig):
             n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, n_positions=m.block_size, resid_pdrop=m.dropout,
             embd_pdrop=m.dropout, attn_pdrop=m.dropout, bos_token_id=0, eos_token_id=0, **common))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_kv_head, hidden_size=m.n_embd,
-        intermediate_size=m.intermediate_size, max_position_embeddings=m.block_size, attention_dropout=m.dropout,
-        bos_token_id=0, eos_token_id=0, **common))
+        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head, num_key_value_heads=m.n_kv_head,
+        hidden_size=m.n_embd, intermediate_size=m.intermediate_size, max_position_embeddings=m.block_size,
+        attention_dropout=m.dropout, bos_token_id=0, eos_token_id=0, **common))
 
 
 def build_model(cfg: DictConfig) -> L.LightningModule:
@@ -124,7 +124,8 @@ def build_strategy(cfg: DictConfig, run_dir: Path | None = None):
 
         typed = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
         keys = {o.lstrip("+~").split("=", 1)[0] for o in typed}
-        pinned = {k for k in KNOBS if f"schedule.{k}" in keys} | ({"schedule"} if keys & {"schedule", "schedule.name"} else set())
+        pinned = ({k for k in KNOBS if f"schedule.{k}" in keys}
+                  | ({"schedule"} if keys & {"schedule", "schedule.name"} else set()))
         s.update({k: None for k in KNOBS if k not in pinned})
         rows = max(1, int(cfg.data.batch_size) // (2 * int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)))
         s.update(layout=AutoLayout(sample=torch.zeros(rows, int(cfg.model.block_size), dtype=torch.long)),
@@ -177,8 +178,8 @@ def check_resume_strategy(cfg: DictConfig) -> None:
     if cfg.trainer.strategy == "auto" and path is not None and path.is_dir():
         raise ConfigError(
             f"ckpt_path={path} is a folder (a bfpp checkpoint); trainer.strategy=auto resumes one file. Export it with "
-            f"its optimizer and loop state: python -m lightning_bfpp.checkpoint {path} {path.with_suffix('.plain.ckpt')} "
-            f"--full, then ckpt_path={path.with_suffix('.plain.ckpt')}.")
+            f"its optimizer and loop state: python -m lightning_bfpp.checkpoint {path} "
+            f"{path.with_suffix('.plain.ckpt')} --full, then ckpt_path={path.with_suffix('.plain.ckpt')}.")
 
 
 def check_resume_model(cfg: DictConfig) -> None:
@@ -190,8 +191,9 @@ def check_resume_model(cfg: DictConfig) -> None:
     differ = [k for k in MODEL_SHAPE if k in saved and saved[k] != cfg.model.get(k)]
     if differ:
         raise ConfigError(
-            f"ckpt_path={cfg.ckpt_path} was trained with {', '.join(f'model.{k}={saved[k]}' for k in differ)}; this run "
-            f"has {', '.join(f'model.{k}={cfg.model.get(k)}' for k in differ)}. Resume with the checkpoint's settings ("
+            f"ckpt_path={cfg.ckpt_path} was trained with {', '.join(f'model.{k}={saved[k]}' for k in differ)}; "
+            f"this run has {', '.join(f'model.{k}={cfg.model.get(k)}' for k in differ)}. Resume with the "
+            "checkpoint's settings ("
             + " ".join(f"model.{k}={saved[k]}" for k in differ) + "), or start without ckpt_path.")
 
 
@@ -245,7 +247,8 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str) -> list:
         group = cfg.logger.get("group") or (str(hc.sweep.dir) if hc.mode == RunMode.MULTIRUN else None)
         stored = stored_wandb_id(cfg.ckpt_path) if cfg.logger.get("continue_run", True) else None
         if stored and not cfg.logger.get("id"):
-            log.info(f"W&B: continuing run {stored}, which wrote {cfg.ckpt_path}; logger.continue_run=false for a new run")
+            log.info(f"W&B: continuing run {stored}, which wrote {cfg.ckpt_path}; logger.continue_run=false for a "
+                     "new run")
         run_id = cfg.logger.get("id") or stored or wandb_id()
         logger = WandbLogger(
             project=cfg.logger.project, entity=cfg.logger.entity, name=cfg.logger.run_name or run_name,
@@ -385,8 +388,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
 
     s, bfpp = cfg.schedule, cfg.trainer.strategy == "bfpp"
     auto = bfpp and s.get("layout") == "auto"  # the planner picks the layout at start (printed; in summary.json)
-    run_name = "bfpp-layout-auto" if auto else f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}" if bfpp \
-        else "auto"
+    run_name = ("bfpp-layout-auto" if auto else f"{s.name}-pp{s.pipeline_parallel}-l{s.loops}-m{s.micro_batches}"
+                if bfpp else "auto")
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight is one Parameter: counted once
     pp = s.pipeline_parallel if bfpp else 1
     tp = s.get("tensor_parallel", 1) if bfpp else 1

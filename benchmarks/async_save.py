@@ -100,10 +100,12 @@ def main() -> None:
     if results["sync"]["rank"] != 0:
         return
     params = args.width * (args.width + 1) * args.layers
-    print(f"MLP {args.layers} x {args.width}^2 ({params / 1e6:.0f}M parameters, {params * 12 / 1e9:.2f} GB per save with "
-          f"AdamW) at pp=2 on {args.devices} CPU processes (batch 8 per replica); a save every {args.every} of {args.steps} steps")
+    print(f"MLP {args.layers} x {args.width}^2 ({params / 1e6:.0f}M parameters, {params * 12 / 1e9:.2f} GB per save "
+          f"with AdamW) at pp=2 on {args.devices} CPU processes (batch 8 per replica); a save every {args.every} of "
+          f"{args.steps} steps")
     for mode, r in results.items():
-        print(f"{mode:5}: save call {statistics.mean(r['stalls']):.3f} s mean ({', '.join(f'{s:.2f}' for s in r['stalls'])}); "
+        print(f"{mode:5}: save call {statistics.mean(r['stalls']):.3f} s mean "
+              f"({', '.join(f'{s:.2f}' for s in r['stalls'])}); "
               f"other steps {statistics.mean(r['steps']):.3f} s mean; fit {r['fit_s']:.1f} s")
     ratio = statistics.mean(results["sync"]["stalls"]) / statistics.mean(results["async"]["stalls"])
     print(f"stall per save, sync / async: {ratio:.1f}x; fit time, sync / async: "

@@ -49,7 +49,8 @@ def grid(world: int, batch: int, num_layers: int, quick: bool = False) -> list[d
 def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: int, quick: bool = False,
         devices: int = 2) -> dict:
     cfg = model_config(model)
-    hand = [{**v, "model": model, "batch": batch, "steps": steps} for v in grid(devices, batch, cfg["n_layer"] + 2, quick)]
+    hand = [{**v, "model": model, "batch": batch, "steps": steps}
+            for v in grid(devices, batch, cfg["n_layer"] + 2, quick)]
     auto = {"auto": True, "model": model, "batch": batch, "steps": steps, "label": "auto"}
     jobs = [job for i in range(rounds) for job in rotate(hand + [auto], i)]
     results = _launch(out, devices, jobs)
@@ -80,7 +81,8 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             "held_out_layouts": held_out,
             "best_hand_layout": best, "auto_picks": picks,
             "startup_s": {"auto": summarize(startup), "hand": summarize(hand_startup)},
-            "samples_per_s": {k: summarize(v) for k, v in sorted(speed.items(), key=lambda kv: -statistics.median(kv[1]))},
+            "samples_per_s": {k: summarize(v)
+                              for k, v in sorted(speed.items(), key=lambda kv: -statistics.median(kv[1]))},
             "samples_per_s_per_round": speed}
 
 
@@ -112,8 +114,9 @@ def _fit(job: dict, devices: int) -> dict:
 
     class Data(pl.LightningDataModule):
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(w.dataset(cfg.block_size), batch_size=self.trainer.strategy.replica_batch_size,
-                                               shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(1234))
+            return torch.utils.data.DataLoader(w.dataset(cfg.block_size),
+                                               batch_size=self.trainer.strategy.replica_batch_size, shuffle=True,
+                                               drop_last=True, generator=torch.Generator().manual_seed(1234))
 
     torch.manual_seed(0)
     cfg = GPTConfig(**model_config(job["model"]))

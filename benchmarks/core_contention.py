@@ -67,7 +67,8 @@ def main() -> None:
         t = {n: timed(n, cfg, args.micro_batch) for n in rotate([1, 2], i)}
         ratios.append(t[2] / t[1])
         print(f"round {i}: alone {t[1]:.3f} s, two at once {t[2]:.3f} s, ratio {ratios[-1]:.3f}", flush=True)
-    print(f"two processes at once ÷ one alone: {fmt(summarize(ratios))}; pp=2 speedup cap ~ {2 / statistics.median(ratios):.2f}")
+    print(f"two processes at once ÷ one alone: {fmt(summarize(ratios))}; pp=2 speedup cap ~ "
+          f"{2 / statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

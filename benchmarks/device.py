@@ -73,7 +73,8 @@ def measured_cluster(rows: list[dict], cfg: dict, micro_batch: int, device_type:
 
     from lightning_bfpp.sim import Cluster
 
-    cluster = yaml.safe_load((ROOT / "conf" / "cluster" / ("gpu_8.yaml" if device_type == "cuda" else "cpu_2.yaml")).read_text())
+    cluster = yaml.safe_load(
+        (ROOT / "conf" / "cluster" / ("gpu_8.yaml" if device_type == "cuda" else "cpu_2.yaml")).read_text())
     blocks = [r for r in rows if r["layer"].startswith("blocks.")]
     pair = lambda r: [r["forward_ms"] / 1e3, r["backward_ms"] / 1e3]  # noqa: E731
     cluster["layer_times"] = {"model": {k: cfg[k] for k in ("n_head", "n_embd", "block_size", "vocab_size")},
@@ -127,7 +128,7 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
         if strategy == "raw":
             run = raw_loop(cfg, batch, m, steps, device, compiled)
         else:
-            run = one_stage_run(cfg, batch, m, steps, device, loops=loops, compile=compiled, strategy=strategy)
+            run = one_stage_run(cfg, batch, m, steps, device, loops=loops, compiled=compiled, strategy=strategy)
         run["mfu"] = run["model_flops_per_s"] / (peak * 1e12) if peak else None
         if strategy == "bfpp":
             for base in ("raw", "fsdp2"):  # the plain PyTorch loop at the same micro-batches, and Lightning's FSDP2
@@ -196,7 +197,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "device.json")
     ap.add_argument("--parts", default="cpu,gpu")
     ap.add_argument("--budget-scale", type=float, default=1.0,
-                    help="multiply every part's budget (a test on a loaded machine checks the code paths, not the time)")
+                    help="multiply every part's budget (a test on a loaded machine checks the code paths, not the "
+                         "time)")
     ap.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # the child process of one part
     ap.add_argument("--partial", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, default=None, help="where logs and launch files go (default: a temp dir)")

@@ -107,7 +107,7 @@ def main() -> None:
             for strategy in ("bfpp", "fsdp2") if m == 1 else ("bfpp",):  # Lightning's FSDP2 has no micro-batches
                 print(f"{strategy} {tag}", flush=True)
                 probe = ProfileOneStep(at=steps)  # the last step: its period is not among the timed ones
-                run = one_stage_run(cfg, batch, m, steps + 1, device, compile=compiled, callbacks=[probe],
+                run = one_stage_run(cfg, batch, m, steps + 1, device, compiled=compiled, callbacks=[probe],
                                     strategy=strategy)
                 rows[f"{strategy} {tag}"] = {"step_s": run["step_s"], **probe.result, **run.get("compiled", {})}
             _save(args.out, rows)

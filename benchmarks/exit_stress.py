@@ -61,8 +61,8 @@ def main() -> None:
                     tail = " | ".join(out.strip().splitlines()[-4:])
                     print(f"{launcher} run {i + 1}: exit {p.returncode}{', terminate called' if abort else ''}: {tail}",
                           flush=True)
-            print(f"== {launcher}{' + CPU hog' if hog else ''}: {failed} of {args.runs} runs exited non-zero, {aborted} printed "
-                  f"'terminate called'; {min(times):.1f}-{max(times):.1f} s per run", flush=True)
+            print(f"== {launcher}{' + CPU hog' if hog else ''}: {failed} of {args.runs} runs exited non-zero, "
+                  f"{aborted} printed 'terminate called'; {min(times):.1f}-{max(times):.1f} s per run", flush=True)
     finally:
         if hog is not None:
             hog.kill()

@@ -66,7 +66,7 @@ def layer_table(cfg: GPTConfig, batch: int, device: torch.device, reps: int) -> 
             with autocast:
                 return layer(inp)
 
-        def fwd_bwd(layer=layer, inp=inp):
+        def fwd_bwd(layer=layer, inp=inp, name=name):
             with autocast:
                 out = layer(inp)
                 loss = model.pipeline_loss(out, x) if name == "head" else out.float().square().mean()
@@ -119,11 +119,12 @@ def raw_loop(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device:
 
 
 def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device: torch.device,
-                  loops: int = 1, compile: bool = False, strategy: str = "bfpp", callbacks: list | None = None) -> dict:
+                  loops: int = 1, compiled: bool = False, strategy: str = "bfpp",
+                  callbacks: list | None = None) -> dict:
     """One device, Lightning: BFPPStrategy(pipeline_parallel=1, loops, micro_batches) or, strategy="fsdp2",
-    Lightning's ModelParallelStrategy with each layer fully_shard-ed (worker.ShardedGPT); `compile`: bfpp's
+    Lightning's ModelParallelStrategy with each layer fully_shard-ed (worker.ShardedGPT); `compiled`: bfpp's
     compile=True, or each layer compiled before FSDP; `callbacks` join the Trainer's. Median step period after 3 steps
-    (the compile is in the first); with bfpp's compile, its last step's graph counts (`compiled`)."""
+    (the compile is in the first); with bfpp's compile, its last step's graph counts (the result's `compiled`)."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from worker import Probe, ShardedGPT, compile_each_layer
@@ -134,7 +135,7 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     model = (ShardedGPT if strategy == "fsdp2" else GPT)(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     fpt = flops_per_token(cfg, model)  # before the fit: bfpp leaves only this rank's stages in `model`
-    if compile and strategy == "fsdp2":
+    if compiled and strategy == "fsdp2":
         compile_each_layer(model)
     data = torch.randint(0, cfg.vocab_size, (batch * steps, cfg.block_size + 1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
@@ -142,7 +143,7 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     trainer = Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps, logger=False,
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1) if strategy == "fsdp2" else
-        BFPPStrategy(pipeline_parallel=1, loops=loops, micro_batches=micro_batches, compile=compile),
+        BFPPStrategy(pipeline_parallel=1, loops=loops, micro_batches=micro_batches, compile=compiled),
         precision="bf16-mixed" if device.type == "cuda" else "32-true", enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, *(callbacks or [])],
     )
@@ -173,7 +174,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu.sh needs a CUDA device (the CPU suite is `make bench`); try --device cpu for a dry run.")
+        sys.exit("benchmarks/gpu.sh needs a CUDA device (the CPU suite is `make bench`); try --device cpu for a dry "
+                 "run.")
     cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; GPT n_layer={cfg.n_layer} n_embd={cfg.n_embd} block={cfg.block_size}; batch {args.batch}")

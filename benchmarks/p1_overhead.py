@@ -53,7 +53,8 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             "raw_step_s": summarize(seconds("raw", "step_s")),
         },
         "fsdp": {
-            "baseline": f"ModelParallelStrategy(data_parallel_size={pp}, tensor_parallel_size=1) + fully_shard per layer",
+            "baseline": f"ModelParallelStrategy(data_parallel_size={pp}, tensor_parallel_size=1) + fully_shard per "
+                        "layer",
             # throughput ratio at the same global batch = inverse time ratio
             "throughput_ratio_bfpp_over_fsdp": summarize(ratios("mp", "bfpp", "period_s")),
             "fsdp_period_s": summarize(seconds("mp", "period_s")),

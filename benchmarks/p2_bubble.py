@@ -1,7 +1,8 @@
-"""P2 — measured bubble fraction (idle / compute on each rank's compute timeline, max over
-ranks, from BFPPStrategy.step_stats; each rank's own too, and how unequal the ranks' compute is) per schedule vs the formula (pp-1)/(loops*m) for looped
-schedules and (pp-1)/m otherwise (a third of it for breadth_first_zb, F:B = 1:2); and P5's second half: peak
-saved-activation bytes per schedule; and each schedule's bubble, step period and activation peak / breadth-first's."""
+"""P2 — measured bubble fraction (idle / compute on each rank's compute timeline, max over ranks, from
+BFPPStrategy.step_stats; each rank's own too, and how unequal the ranks' compute is) per schedule vs the formula
+(pp-1)/(loops*m) for looped schedules and (pp-1)/m otherwise (a third of it for breadth_first_zb, F:B = 1:2); and P5's
+second half: peak saved-activation bytes per schedule; and each schedule's bubble, step period and activation peak /
+breadth-first's."""
 from __future__ import annotations
 
 import statistics

@@ -39,5 +39,7 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
             # efficiency); schedule - compute = idle in the pipeline; period - schedule = optimizer + Lightning
             "breakdown_s": {"ideal_half_of_single": statistics.median(periods["single"]) / 2,
                             "compute": statistics.median(parts["compute_s"]),
-                            "pipeline_idle": statistics.median(parts["schedule_s"]) - statistics.median(parts["compute_s"]),
-                            "outside_schedule": statistics.median(periods["bfpp"]) - statistics.median(parts["schedule_s"])}}
+                            "pipeline_idle": (statistics.median(parts["schedule_s"])
+                                              - statistics.median(parts["compute_s"])),
+                            "outside_schedule": (statistics.median(periods["bfpp"])
+                                                 - statistics.median(parts["schedule_s"]))}}

@@ -38,7 +38,8 @@ def plot(summary: dict, path: Path) -> None:
         err = [[m - rows[k]["measured"]["min"] for m, k in zip(meds, labels)],
                [rows[k]["measured"]["max"] - m for m, k in zip(meds, labels)]]
         ax.bar([i - 0.2 for i in x], meds, 0.4, yerr=err, capsize=4, label="measured", color="#4c72b0")
-        ax.bar([i + 0.2 for i in x], [rows[k]["theory"] for k in labels], 0.4, label="(pp−1)/(loops·m)", color="#dd8452")
+        ax.bar([i + 0.2 for i in x], [rows[k]["theory"] for k in labels], 0.4, label="(pp−1)/(loops·m)",
+               color="#dd8452")
         ax.set_xticks(list(x), labels)
         ax.legend(fontsize=8)
     ax.set_title("P2 bubble = idle / compute (pp=2, m=4)")
@@ -53,7 +54,8 @@ def plot(summary: dict, path: Path) -> None:
         names = sorted(p5["per_rank"])
         ax.bar(names, [p5["per_rank"][n]["state_bytes"] / 2**20 for n in names], color="#4c72b0",
                label="param + grad + AdamW state")
-        ax.axhline(p5["expected_per_rank"]["state_bytes"] / 2**20, color="#c44e52", ls="--", label="full model / (pp·dp)")
+        ax.axhline(p5["expected_per_rank"]["state_bytes"] / 2**20, color="#c44e52", ls="--",
+                   label="full model / (pp·dp)")
         ax.set_ylabel("MiB per rank")
         ax.legend(fontsize=8, loc="lower left")
     ax.set_title("P5 state memory with FSDP (pp=2 × dp=2)")
@@ -72,7 +74,8 @@ def plot(summary: dict, path: Path) -> None:
     lines = ["goal                         value   met"]
     for key, g in summary.get("goals", {}).items():
         value = "—" if g["value"] is None else f"{g['value']:.3f}"
-        lines.append(f"{key:<25} {g['goal']:>7}  {value:>6}  {'' if g['met'] is None else ('yes' if g['met'] else 'NO')}")
+        lines.append(f"{key:<25} {g['goal']:>7}  {value:>6}  "
+                     f"{'' if g['met'] is None else ('yes' if g['met'] else 'NO')}")
     fs = summary.get("fsdp_comparison")
     if fs:
         lines += ["", "vs Lightning FSDP2 (dp=2), bfpp / FSDP:",

@@ -19,13 +19,15 @@ def tables(s: dict) -> str:
     out.append("| goal | target | measured | met |\n|---|---|---|---|")
     for key, g in s.get("goals", {}).items():
         value = "—" if g["value"] is None else f"{g['value']:.3f}"
-        out.append(f"| `{key}` | {g['goal']} | {value} | {'—' if g['met'] is None else ('yes' if g['met'] else '**no**')} |")
+        out.append(f"| `{key}` | {g['goal']} | {value} | "
+                   f"{'—' if g['met'] is None else ('yes' if g['met'] else '**no**')} |")
     if "p1_fsdp" in d:
         p1, fs = d["p1_fsdp"]["p1"], d["p1_fsdp"]["fsdp"]
-        out.append("\n**P1 overhead** (per optimizer step; median over rounds of per-round medians, (min–max, n rounds))\n")
+        out.append("\n**P1 overhead** (per optimizer step; median over rounds of per-round medians, (min–max, n "
+                   "rounds))\n")
         out.append("| quantity | bfpp in Lightning | raw torch loop | ratio |\n|---|---|---|---|")
-        out.append(f"| period (batch start → next batch start) | {fmt(p1['bfpp_period_s'])} s | {fmt(p1['raw_period_s'])} s | "
-                   f"{fmt(p1['ratio_period'])} |")
+        out.append(f"| period (batch start → next batch start) | {fmt(p1['bfpp_period_s'])} s | "
+                   f"{fmt(p1['raw_period_s'])} s | {fmt(p1['ratio_period'])} |")
         out.append(f"| step (batch start → batch end) | {fmt(p1['bfpp_step_s'])} s | {fmt(p1['raw_step_s'])} s | "
                    f"{fmt(p1['ratio_step'])} |")
         out.append("\n**Comparison with Lightning's FSDP** (same 2 processes, same global batch)\n")
@@ -38,9 +40,11 @@ def tables(s: dict) -> str:
         out.append(f"| peak saved activations (max rank) | {bm['activation_bytes'] / MiB:.2f} MiB | "
                    f"{fm['activation_bytes'] / MiB:.2f} MiB | {fs['activation_memory_ratio_bfpp_over_fsdp']:.3f} |")
     if "p2" in d:
-        out.append("\n**P2 bubble** (idle / compute, max over ranks; per-round median of steps, then median (min–max) over rounds)\n")
-        out.append("| schedule | loops | formula | measured | abs error | each rank's bubble | busiest ÷ idlest rank's compute "
-                   "| busy share of schedule span | peak saved activations | vs breadth_first: activations | bubble | step |")
+        out.append("\n**P2 bubble** (idle / compute, max over ranks; per-round median of steps, then median (min–max) "
+                   "over rounds)\n")
+        out.append("| schedule | loops | formula | measured | abs error | each rank's bubble | busiest ÷ idlest rank's "
+                   "compute | busy share of schedule span | peak saved activations | vs breadth_first: activations "
+                   "| bubble | step |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in d["p2"]["schedules"].items():
             per_rank = " / ".join(f"{v['median']:.3f}" for v in r.get("bubble_per_rank", {}).values()) or "—"
@@ -48,7 +52,8 @@ def tables(s: dict) -> str:
             out.append(f"| {name} | {r['loops']} | {r['theory']:.3f} | {fmt(r['measured'])} | {r['abs_error']:.3f} | "
                        f"{per_rank} | {imbalance} | {r['busy_fraction_of_step']['median']:.3f} | "
                        f"{r['activation_peak_bytes'] / MiB:.2f} MiB | {r['activation_vs_breadth_first']:.2f} | "
-                       f"{r.get('bubble_vs_breadth_first', float('nan')):.2f} | {r.get('period_vs_breadth_first', float('nan')):.2f} |")
+                       f"{r.get('bubble_vs_breadth_first', float('nan')):.2f} | "
+                       f"{r.get('period_vs_breadth_first', float('nan')):.2f} |")
     if "p4" in d:
         p4 = d["p4"]
         out.append("\n**P4 scaling** (one process, one thread vs pp=2 with one thread per rank)\n")
@@ -68,9 +73,11 @@ def tables(s: dict) -> str:
                        f"outside the schedule (optimizer, Lightning) {b['outside_schedule']:.3f}")
     if "torch" in d:
         t = d["torch"]
-        out.append(f"\n**bfpp vs torch's own schedule classes** (same stages and micro-batches, pp={t['setting']['pp']}, "
-                   f"m={t['setting']['m']}; ratio per round = bfpp ÷ torch throughput, median (min–max))\n")
-        out.append("| torch class | bfpp schedule | loops | torch period | bfpp period | bfpp ÷ torch |\n|---|---|---|---|---|---|")
+        out.append(f"\n**bfpp vs torch's own schedule classes** (same stages and micro-batches, "
+                   f"pp={t['setting']['pp']}, m={t['setting']['m']}; ratio per round = bfpp ÷ torch throughput, median "
+                   "(min–max))\n")
+        out.append("| torch class | bfpp schedule | loops | torch period | bfpp period | bfpp ÷ torch |\n"
+                   "|---|---|---|---|---|---|")
         for cls, r in t["schedules"].items():
             out.append(f"| {cls} | {r['bfpp_schedule']} | {r['loops']} | {fmt(r['torch_period_s'])} s | "
                        f"{fmt(r['bfpp_period_s'])} s | {fmt(r['ratio'])} |")
@@ -94,7 +101,8 @@ def tables(s: dict) -> str:
         p5 = d["p5"]
         out.append(f"\n**P5 memory** (pp=2 × dp=2, sharding=full, {p5['model_params']:,} parameters; "
                    f"stage layers {p5['stage_layers']})\n")
-        out.append("| rank | params | grads | AdamW state | total | total / (full / pp·dp) |\n|---|---|---|---|---|---|")
+        out.append("| rank | params | grads | AdamW state | total | total / (full / pp·dp) |\n"
+                   "|---|---|---|---|---|---|")
         exp = p5["expected_per_rank"]
         for name, m in sorted(p5["per_rank"].items()):
             out.append(f"| {name} | {m['param_bytes'] / MiB:.3f} MiB | {m['grad_bytes'] / MiB:.3f} MiB | "
@@ -102,8 +110,8 @@ def tables(s: dict) -> str:
                        f"{m['state_bytes'] / exp['state_bytes']:.4f} |")
         out.append(f"| full / (pp·dp) | {exp['param_bytes'] / MiB:.3f} MiB | {exp['grad_bytes'] / MiB:.3f} MiB | "
                    f"{exp['optimizer_bytes'] / MiB:.3f} MiB | {exp['state_bytes'] / MiB:.3f} MiB | 1 |")
-        out.append(f"\nmax error {p5['max_error']:.4f}: partition (whole layers per stage) {p5['partition_error']:.4f}, "
-                   f"FSDP shard padding {p5['fsdp_padding_error']:.4f}")
+        out.append(f"\nmax error {p5['max_error']:.4f}: partition (whole layers per stage) "
+                   f"{p5['partition_error']:.4f}, FSDP shard padding {p5['fsdp_padding_error']:.4f}")
     if s.get("bench_seconds"):
         out.append(f"\nwall time per benchmark (s): {s['bench_seconds']}; total {s.get('elapsed_s')} s")
     return "\n".join(out)

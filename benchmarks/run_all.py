@@ -1,5 +1,5 @@
-"""`make bench`: run P1 (overhead), P2 (bubble), P4 (scaling), P5 (memory), the FSDP comparison and bfpp against
-torch's own schedule classes, write benchmarks/results/summary.json and benchmarks/results/summary.png. See BENCHMARKS.md.
+"""`make bench`: run P1 (overhead), P2 (bubble), P4 (scaling), P5 (memory), the FSDP comparison and bfpp against torch's
+own schedule classes, write benchmarks/results/summary.json and benchmarks/results/summary.png. See BENCHMARKS.md.
 
     python benchmarks/run_all.py                 # the full suite (~15 minutes on 2 cores, auto included)
     python benchmarks/run_all.py --quick         # gpt_tiny, 2 rounds: a smoke test, results in the --work dir
@@ -49,7 +49,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="global batch (samples per optimizer step)")
     ap.add_argument("--results", type=Path, default=None,
                     help="where summary.json/.png go (default: benchmarks/results; with --quick: the --work dir)")
-    ap.add_argument("--work", type=Path, default=None, help="where launch logs and per-rank files go (default: a temp dir)")
+    ap.add_argument("--work", type=Path, default=None,
+                    help="where launch logs and per-rank files go (default: a temp dir)")
     args = ap.parse_args()
     if args.quick:
         args.model, args.rounds = "gpt_tiny", 2
@@ -112,7 +113,8 @@ def main() -> None:
     step("p4", "P4 scaling: 1 process vs pp=2", p4)
     def torch_part() -> None:
         details["torch"] = torch_schedules.run(work / "torch", **size, **timed)
-        summary["torch_schedule_ratio"] = {cls: r["ratio"]["median"] for cls, r in details["torch"]["schedules"].items()}
+        summary["torch_schedule_ratio"] = {cls: r["ratio"]["median"]
+                                           for cls, r in details["torch"]["schedules"].items()}
 
     def auto_part() -> None:
         full = args.auto_grid == "full"

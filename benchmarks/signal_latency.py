@@ -44,11 +44,12 @@ def main() -> None:
                         shutil.rmtree(work, ignore_errors=True)
                     times.append(stopped.gone_s)
                     reasons = sorted({why for _, why in STOPPED.findall(stopped.output)})
-                    print(f"{name} to {target} ({launcher}, try {i + 1}): every process gone after {stopped.gone_s:.1f} s, "
-                          f"exit {stopped.codes}, newest checkpoint step={step} complete; reasons printed: {reasons}",
+                    print(f"{name} to {target} ({launcher}, try {i + 1}): every process gone after "
+                          f"{stopped.gone_s:.1f} s, exit {stopped.codes}, newest checkpoint step={step} complete; "
+                          f"reasons printed: {reasons}",
                           flush=True)
-                print(f"== {name} to {target} ({launcher}, on_signal={args.on_signal}): {min(times):.1f}-{max(times):.1f} s "
-                      f"over {len(times)} tries",
+                print(f"== {name} to {target} ({launcher}, on_signal={args.on_signal}): "
+                      f"{min(times):.1f}-{max(times):.1f} s over {len(times)} tries",
                       flush=True)
 
 

@@ -23,7 +23,8 @@ def run(out: Path, *, model: str, batch: int, rounds: int, steps: int, warmup: i
     results = launch(out, pp, jobs)
     period: dict[tuple[str, str], list[float]] = {}
     for job, res in zip(jobs, results):  # per round, in round order
-        period.setdefault((job["schedule"], job["kind"]), []).append(statistics.median(per_step(res, "period_s", warmup)))
+        period.setdefault((job["schedule"], job["kind"]), []).append(
+            statistics.median(per_step(res, "period_s", warmup)))
     rows = {}
     for name, loops, cls in SCHEDULES:
         bf, raw = period[(name, "bfpp")], period[(name, "raw")]

@@ -179,7 +179,8 @@ def run_lightning(job: dict, devices: int) -> dict:
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy_for(job), max_steps=job["steps"], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[probe] + ([PerParameterGradSync()] if job.get("grad_sync") == "per_parameter" else []),
+        num_sanity_val_steps=0,
+        callbacks=[probe] + ([PerParameterGradSync()] if job.get("grad_sync") == "per_parameter" else []),
     )
     trainer.fit(model, train_dataloaders=loader(cfg.block_size, per_replica))
     return probe.result()

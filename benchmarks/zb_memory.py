@@ -47,8 +47,9 @@ def simulated(cfg: GPTConfig, micro_batches: int, micro_batch_size: int) -> dict
     ids = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.block_size))
     layers = measure_layers(model, list(model.pipeline_layers()), ids, ids, torch.device("cpu"), repeats=1)
     cluster = Cluster(devices=1, num_nodes=1, flops=1e10, device_memory=1e12, intra_bw=1e9, inter_bw=1e9, latency=1e-5)
-    costs = build_costs(layers, cluster, pipeline_parallel=1, loops=2, data_parallel=1, micro_batch_size=micro_batch_size,
-                        micro_batches=micro_batches, sharding="none")  # no FSDP: the peak is activations + W's
+    costs = build_costs(layers, cluster, pipeline_parallel=1, loops=2, data_parallel=1,
+                        micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                        sharding="none")  # no FSDP: the peak is activations + W's
     out = {}
     for name in ("breadth_first", "breadth_first_zb"):
         memory = simulate(build_schedule(ScheduleSpec(name, pipeline_parallel=1, micro_batches=micro_batches, loops=2)),
@@ -78,7 +79,8 @@ def fit(schedule: str, cfg: GPTConfig, micro_batches: int, batch: int, steps: in
     try:
         torch.manual_seed(0)
         data = torch.randint(0, cfg.vocab_size, (batch * steps, cfg.block_size + 1))
-        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]),
+                                             batch_size=batch)
         Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, strategy=strategy,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(GPT(cfg), loader)
     finally:
@@ -103,7 +105,8 @@ def main() -> None:
     base = rows["breadth_first"]["saved_peak"]
     print(f"GPT {args.layers} x {args.width}, {args.seq} tokens, pp=1 x loops=2, {args.micro_batches} micro-batches "
           f"of {args.micro_batch_size}; ratios to breadth_first's saved-activation peak")
-    print(f"{'schedule':<18}{'saved peak':>13}{'÷ bf':>7}{'W grads peak':>14}{'÷ bf':>7}{'together peak':>15}{'÷ bf':>7}")
+    print(f"{'schedule':<18}{'saved peak':>13}{'÷ bf':>7}{'W grads peak':>14}{'÷ bf':>7}{'together peak':>15}"
+          f"{'÷ bf':>7}")
     for name, r in rows.items():
         saved, kept, both = r["saved_peak"], r["retained_grads_peak"], r["together_peak"]
         print(f"{name:<18}{saved:>13,}{saved / base:>7.3f}{kept:>14,}{kept / base:>7.3f}{both:>15,}{both / base:>7.3f}")
@@ -112,7 +115,8 @@ def main() -> None:
     print("the simulator's peak of both (measured layers), and ÷ the measured peak of both:")
     for name, peak in sim.items():
         print(f"{name:<18}{peak:>15,.0f}{peak / measured[name]:>7.3f}")
-    print(f"zero bubble ÷ breadth-first, both at once: measured {measured['breadth_first_zb'] / measured['breadth_first']:.3f}, "
+    print("zero bubble ÷ breadth-first, both at once: measured "
+          f"{measured['breadth_first_zb'] / measured['breadth_first']:.3f}, "
           f"simulated {sim['breadth_first_zb'] / sim['breadth_first']:.3f}")
 
 

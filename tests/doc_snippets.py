@@ -78,7 +78,8 @@ def parse(path: Path, root: Path = ROOT) -> tuple[list[Block], list[str]]:
                         errors.append(f"{rel}:{i}: `<!-- not run: REASON -->` needs the reason")
                 else:
                     run_with = tuple(shlex.split(text))
-                    if lang != "bash" or not run_with or not any(EXAMPLE_SCRIPT.search(c) for c in commands("\n".join(body))):
+                    if lang != "bash" or not run_with or not any(EXAMPLE_SCRIPT.search(c)
+                                                                 for c in commands("\n".join(body))):
                         errors.append(f"{rel}:{i}: `<!-- run with: OVERRIDES -->` needs overrides and a bash block "
                                       "that runs a script of examples/")
             blocks.append(Block(rel, i + 1, lang, "\n".join(body) + "\n", not_run, run_with))

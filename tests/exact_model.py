@@ -130,7 +130,8 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
     """The global batches Lightning's training sampler (DistributedSampler, shuffle, seed 0) yields from `ds`
     (default: this module's dataset): batch t is the union of every data-parallel replica's t-th batch."""
     ds = dataset() if ds is None else ds
-    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0)) for r in range(data_parallel)]
+    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0))
+                for r in range(data_parallel)]
     b = global_batch // data_parallel
     for t in range(len(per_rank[0]) // b):
         idx = [i for r in range(data_parallel) for i in per_rank[r][t * b : (t + 1) * b]]
@@ -138,9 +139,9 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
 
 
 def reference(
-    steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None, seed: int = 0,
-    skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False, counter: bool = False,
-    meta: bool | str = False,
+    steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None,
+    seed: int = 0, skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False,
+    counter: bool = False, meta: bool | str = False,
 ):
     """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
     Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1).
@@ -176,7 +177,8 @@ def reference_eval(state: dict, data_parallel: int, per_replica: int, limit: int
     model = StackNet()
     model.load_state_dict(state)
     ds = dataset()
-    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=False)) for r in range(data_parallel)]
+    per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=False))
+                for r in range(data_parallel)]
     steps = len(per_rank[0]) // per_replica if limit is None else limit
     with torch.no_grad():
         step_losses = []

@@ -36,30 +36,35 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
     if family == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=WIDTH, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                       tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
         return transformers.GPT2LMHeadModel(cfg)
     if family == "gemma3":
-        cfg = transformers.Gemma3TextConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
-                                            num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                            layer_types=["sliding_attention", "full_attention"], sliding_window=SEQ // 4,
-                                            final_logit_softcapping=5.0, tie_word_embeddings=True if tie is None else tie,
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                            vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            sliding_window=SEQ // 4, final_logit_softcapping=5.0,
+                                            tie_word_embeddings=True if tie is None else tie,
                                             attn_implementation=attn)
         return transformers.Gemma3ForCausalLM(cfg)
     if family == "mistral":  # sliding-window attention in every layer
-        cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
-                                         num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                         sliding_window=SEQ // 4, tie_word_embeddings=bool(tie), attn_implementation=attn)
+        cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                         num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                                         max_position_embeddings=SEQ, sliding_window=SEQ // 4,
+                                         tie_word_embeddings=bool(tie), attn_implementation=attn)
         return transformers.MistralForCausalLM(cfg)
     if family == "qwen2":  # ties its embeddings
-        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
-                                       num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                       tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
+        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                       num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                                       max_position_embeddings=SEQ, tie_word_embeddings=True if tie is None else tie,
+                                       attn_implementation=attn)
         return transformers.Qwen2ForCausalLM(cfg)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
-                                   num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                   tie_word_embeddings=False if tie is None else tie, attn_implementation=attn)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                   num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                                   max_position_embeddings=SEQ, tie_word_embeddings=False if tie is None else tie,
+                                   attn_implementation=attn)
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -89,10 +94,11 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     if cfg.get("pretrained"):  # a saved model, built on the meta device; each rank reads its own stages' tensors
         model = CausalLM.from_pretrained(cfg["pretrained"], optimizer=sgd, attn_implementation=cfg.get("attn", "sdpa"))
     else:
-        model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa"), kv_heads=cfg.get("kv_heads", 1)),
-                         optimizer=sgd)
-    strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2), micro_batches=cfg.get("m", 2),
-                            tensor_parallel=cfg.get("tp", 1), sequence_parallel=cfg.get("sp"),
+        model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa"),
+                                  kv_heads=cfg.get("kv_heads", 1)), optimizer=sgd)
+    strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2),
+                            micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
+                            sequence_parallel=cfg.get("sp"),
                             activation_checkpointing=cfg.get("ac", False),
                             timeout=timedelta(seconds=120))
     record = Losses()
@@ -103,11 +109,12 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     trainer.fit(model, DataLoader(dataset(), batch_size=per_replica, drop_last=True))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
-    torch.save({"params": params, "losses": record.losses, "tp_split": split, "message_bytes": strategy.runner.message_bytes},
-               out / f"rank{trainer.global_rank}.pt")
+    torch.save({"params": params, "losses": record.losses, "tp_split": split,
+                "message_bytes": strategy.runner.message_bytes}, out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

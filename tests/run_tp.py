@@ -1,8 +1,9 @@
 """Train a tiny example GPT with strategy=bfpp and tensor parallel, several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
-Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt (sgd|adamw), clip, ac,
-precision, tied (embedding tied to the head), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path).
+Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt
+(sgd|adamw), clip, ac, precision, tied (embedding tied to the head), save_every + save_dir (ModelCheckpoint
+"step=N.ckpt"), resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
 "message_bytes": the largest activation message it sent}.
@@ -76,8 +77,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     losses = Losses()
     callbacks: list[Callback] = [losses]
     if cfg.get("save_every"):
-        callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}", every_n_train_steps=cfg["save_every"],
-                                         save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}",
+                                         every_n_train_steps=cfg["save_every"], save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         precision=cfg.get("precision", "32-true"), gradient_clip_val=cfg.get("clip"), logger=False,

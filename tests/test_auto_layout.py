@@ -93,8 +93,10 @@ def test_report_names_the_pick_and_the_runner_up():
     text = report(ranked, {"schedule": "breadth_first"})
     pick, runner_up = text.split("; runner-up ")
     assert "picked" in pick and "pinned: schedule='breadth_first'" in pick
-    for part, (plan, _) in ((pick, ranked[0]), (runner_up, next(r for r in ranked[1:] if r[0].step_time != ranked[0][0].step_time))):
-        assert f"predicted step {plan.step_time * 1e3:.1f} ms" in part and f"peak memory {plan.peak_memory / 1e6:.3g} MB" in part
+    for part, (plan, _) in ((pick, ranked[0]),
+                            (runner_up, next(r for r in ranked[1:] if r[0].step_time != ranked[0][0].step_time))):
+        assert (f"predicted step {plan.step_time * 1e3:.1f} ms" in part
+                and f"peak memory {plan.peak_memory / 1e6:.3g} MB" in part)
 
 
 def test_strategy_settings():
@@ -193,7 +195,8 @@ def test_two_processes_train_with_one_pick(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["layout"] == ranks[1]["layout"]
     layout = ranks[0]["layout"]
-    assert layout["replica_batch"] * layout["data_parallel"] == 16 and layout["batches_seen"] == [layout["replica_batch"]] * 3
+    assert (layout["replica_batch"] * layout["data_parallel"] == 16
+            and layout["batches_seen"] == [layout["replica_batch"]] * 3)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks) and len(ranks[0]["losses"]) == 3
     log = p.stdout + p.stderr
     assert log.count("layout='auto' (pinned: schedule='breadth_first') picked") == 1 and "runner-up" in log

@@ -36,7 +36,8 @@ def runs(tmp_path_factory):
     w4 = [_cfg(2, 2, 2, opt, save_every=3, save_dir=str(root / f"dp2-{opt}")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(2, 2, 2, opt, resume=str(root / f"dp2-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
     w4 += [_cfg(4, 1, 4, opt, resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
-    w4 += [_cfg(2, 2, 2, opt, sharding="full", resume=str(root / f"dp1-{opt}" / "step=3.ckpt")) for opt in ("sgd", "adamw")]
+    w4 += [_cfg(2, 2, 2, opt, sharding="full", resume=str(root / f"dp1-{opt}" / "step=3.ckpt"))
+           for opt in ("sgd", "adamw")]
     w4 += [{"pp": 2, "loops": 2, "m": 2, "eval_ckpt": str(root / "exported.ckpt")}]
     w4 += [_cfg(2, 2, 2, "adamw", tied=True),
            _cfg(2, 2, 2, "adamw", tied=True, resume=str(root / "tied-one-copy" / "step=3.ckpt"))]
@@ -85,7 +86,8 @@ def test_resume_in_another_layout(runs, layout, opt):
     _compare(runs[layout][opt], runs["dp1"][opt], 1e-5)
 
 
-@pytest.mark.parametrize("resumed, original", [("tied-copies-from-one", "tied-dp2"), ("tied-one-from-copies", "tied-dp1")])
+@pytest.mark.parametrize("resumed, original",
+                         [("tied-copies-from-one", "tied-dp2"), ("tied-one-from-copies", "tied-dp1")])
 def test_tied_weight_resumes_across_layouts(runs, resumed, original):
     """A tied weight saved with one copy (one stage) continues with a copy per stage, and back (AdamW state
     included: each copy reads the state saved under the tied weight's other name)."""

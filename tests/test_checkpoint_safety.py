@@ -73,7 +73,8 @@ def _rehash(folder: Path) -> None:
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def plant(folder: Path, where: str, marker: Path) -> Path:
@@ -214,7 +215,8 @@ def test_another_model_fails_naming_the_differences_unless_partial(tmp_path):
         ckpt.load(folder, *_fresh("adamw", n_blocks=6))
     wide, optims = _fresh("adamw", n_blocks=4)
     wide.head = torch.nn.Linear(16, 7)  # another number of classes
-    with pytest.raises(ckpt.CheckpointError, match=r"different shapes: head.weight \(5, 16\) in the checkpoint vs \(7, 16\)"):
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"different shapes: head.weight \(5, 16\) in the checkpoint vs \(7, 16\)"):
         ckpt.load(folder, wide, optims)
     head = wide.head.weight.detach().clone()
     with pytest.warns(UserWarning, match="strict_loading=False"):
@@ -262,8 +264,8 @@ def test_cli_resume_refuses_planted_files_and_bad_paths(tmp_path):
         (cks / "last.ckpt", ["logger=csv"], str(planted["distcp-bytes"])),  # refused by the ranks while loading
         (cks / "step-7.ckpt", ["logger=csv"], f"The newest complete checkpoint in {cks}"),
         # another model shape: named in the app's keys before launch (the strategy's own check: test_another_model_...)
-        (clean / "step-2.ckpt", ["logger=csv", "model.n_layer=2"], "was trained with model.n_layer=4; this run has "
-                                                                    "model.n_layer=2. Resume with the checkpoint's settings"),
+        (clean / "step-2.ckpt", ["logger=csv", "model.n_layer=2"],
+         "was trained with model.n_layer=4; this run has model.n_layer=2. Resume with the checkpoint's settings"),
     ]
     for i, (path, extra, expected) in enumerate(cases):
         t = time.perf_counter()
@@ -288,7 +290,8 @@ def test_strategy_resume_refuses_planted_files(tmp_path):
     popen = [sys.executable, str(SCRIPT), str(tmp_path / "out0"), "2", cfg(meta_ck)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
                 f"--master_port={free_port()}", str(SCRIPT), str(tmp_path / "out1"), "2", cfg(shard_ck)]
-    for cmd, file, env in ((popen, files[0], clean_env(MASTER_PORT=str(free_port()))), (torchrun, files[1], clean_env())):
+    for cmd, file, env in ((popen, files[0], clean_env(MASTER_PORT=str(free_port()))),
+                           (torchrun, files[1], clean_env())):
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         out = r.stdout + r.stderr
         assert r.returncode != 0 and str(file) in out, out[-3000:]

@@ -13,8 +13,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from test_app import CONF, ROOT, clean_env, run_cli
 
-COMMON = ["optim=sgd", "logger=csv", "trainer.max_steps=3", "trainer.limit_val_batches=2", "trainer.val_check_interval=3",
-          "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
+COMMON = ["optim=sgd", "logger=csv", "trainer.max_steps=3", "trainer.limit_val_batches=2",
+          "trainer.val_check_interval=3", "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
 
 
 def _summary(run_dir):
@@ -47,8 +47,9 @@ def _values(run_dir) -> tuple[float, ...]:
 
 @pytest.mark.slow
 def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
-    """optim=sgd, same data and steps: plain Lightning (strategy=auto) and bfpp pp=1 (1 process), pp=2 x loops=2
-    (2, breadth_first and breadth_first_zb), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's own validation_step)."""
+    """optim=sgd, same data and steps: plain Lightning (strategy=auto) and bfpp pp=1 (1 process), pp=2 x loops=2 (2,
+    breadth_first and breadth_first_zb), pp=4 x loops=1 (4): the same losses and the same torchmetrics values (the GPT's
+    own validation_step)."""
     layouts = {
         "auto": ["cluster=cpu_1", "trainer.strategy=auto"],
         "cpu2": ["cluster=cpu_2", "schedule.pipeline_parallel=2", "schedule.loops=2", "schedule.micro_batches=4"],
@@ -61,7 +62,7 @@ def test_same_train_loss_on_one_two_and_four_processes(tmp_path, one_process):
         run_cli(COMMON + args + [f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path)
         losses[name] = _values(tmp_path / name)
     base = losses["auto"]
-    for name, values in losses.items():
+    for values in losses.values():
         assert all(abs(v - b) <= 1e-5 * b for v, b in zip(values, base)), losses
 
 
@@ -114,8 +115,8 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
 
     # export the sharded checkpoint: the plain example GPT loads it strictly and validates to the same loss
     out = tmp_path / "gpt.ckpt"
-    subprocess.run([sys.executable, "-m", "lightning_bfpp.checkpoint", str(first / "checkpoints" / "step-4.ckpt"), str(out)],
-                   env=clean_env(), cwd=ROOT, check=True, capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "lightning_bfpp.checkpoint", str(first / "checkpoints" / "step-4.ckpt"),
+                    str(out)], env=clean_env(), cwd=ROOT, check=True, capture_output=True, timeout=120)
     from data import CorpusDataModule
     from gpt import GPT, GPTConfig
 

@@ -25,7 +25,8 @@ def test_compiled_layers_train_as_eager(runs, index):
     eager, compiled = runs[0][0], runs[index][0]
     assert compiled["params"].keys() == eager["params"].keys()  # the model's own names: checkpoints unchanged
     for name, tensor in eager["params"].items():
-        torch.testing.assert_close(compiled["params"][name], tensor, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(compiled["params"][name], tensor, rtol=0, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     assert compiled["losses"] == pytest.approx(eager["losses"], abs=1e-5)
 
 

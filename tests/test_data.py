@@ -48,7 +48,8 @@ def test_windows_shift_by_one():
 
 def test_global_batch_splits_over_data_parallel_and_micro_batches():
     assert replica_batch_size(32, data_parallel=2, micro_batches=4) == 16
-    with pytest.raises(ValueError, match=r"data.batch_size=30 .* data_parallel x schedule.micro_batches = 2 x 4 = 8.*use data.batch_size=24 or 32"):
+    with pytest.raises(ValueError, match=r"data.batch_size=30 .* data_parallel x schedule.micro_batches = 2 x 4 = 8"
+                                         r".*use data.batch_size=24 or 32"):
         replica_batch_size(30, data_parallel=2, micro_batches=4)
 
 

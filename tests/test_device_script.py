@@ -38,7 +38,8 @@ def test_device_script_dry_run_writes_every_part(tmp_path):
         if name.startswith("bfpp"):
             assert run["step_s_over_raw"] > 0 and run["step_s_over_fsdp2"] > 0 and run["simulated_step_s"] > 0, name
     assert set(gpu["layers"]) == {"8", "2", "1"}  # a layer table per micro-batch size (batch 8; m = 1, 4, 8)
-    assert all([r["layer"] for r in rows] == ["embedding", "blocks.0", "blocks.1", "head"] for rows in gpu["layers"].values())
+    assert all([r["layer"] for r in rows] == ["embedding", "blocks.0", "blocks.1", "head"]
+               for rows in gpu["layers"].values())
     assert "gpu:" in proc.stdout and "P2 breadth_first" in proc.stdout  # the short table
 
 

@@ -91,7 +91,8 @@ def test_readme_is_short_and_starts_with_the_two_commands():
 
 def test_readme_links_point_to_files():
     readme = (ROOT / "README.md").read_text()
-    targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t and not t.startswith("#")}
+    targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme)
+               if "://" not in t and not t.startswith("#")}
     missing = sorted(t for t in targets if not (ROOT / t).exists())
     assert not missing, missing
 
@@ -106,6 +107,7 @@ def test_run_with_replaces_keys_and_appends_others():
     out = with_overrides(script, ("trainer.max_steps=2", "data.max_bytes=100000", "trainer.max_epochs=3"))
     assert out.splitlines() == [
         "# a comment",
-        "python examples/train.py cluster=cpu_2 trainer.max_steps=2 +trainer.max_epochs=3 data.max_bytes=100000  # trains",
+        "python examples/train.py cluster=cpu_2 trainer.max_steps=2 +trainer.max_epochs=3 data.max_bytes=100000"
+        "  # trains",
         "python -m lightning_bfpp.checkpoint a b",
     ]

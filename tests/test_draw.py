@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_draw_writes_png(tmp_path):
-    path = draw_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4), tmp_path / "bf.png")
+    path = draw_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4),
+                         tmp_path / "bf.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -32,7 +33,8 @@ def test_draw_from_timeline(tmp_path):
     from lightning_bfpp.schedule import build_schedule
     from lightning_bfpp.sim import simulate, unit_costs
 
-    result = simulate(build_schedule(ScheduleSpec("1f1b", pipeline_parallel=2, loops=1, micro_batches=4)), unit_costs(2, 2, unshard=0.3, reduce=0.3))
+    result = simulate(build_schedule(ScheduleSpec("1f1b", pipeline_parallel=2, loops=1, micro_batches=4)),
+                      unit_costs(2, 2, unshard=0.3, reduce=0.3))
     assert draw_schedule(result.timeline, tmp_path / "t.png").stat().st_size > 5000
     assert draw_schedule(result, tmp_path / "r.png").stat().st_size > 5000
 
@@ -51,6 +53,7 @@ def test_cli_names_settings_it_would_truncate_or_ignore(tmp_path):
     pictures = []
     for tp in (1, 2):
         out = tmp_path / f"tp{tp}.png"
-        assert _cli(tmp_path, "costs=model", "cluster=gpu_8", f"schedule.tensor_parallel={tp}", f"out={out}").returncode == 0
+        assert _cli(tmp_path, "costs=model", "cluster=gpu_8", f"schedule.tensor_parallel={tp}",
+                    f"out={out}").returncode == 0
         pictures.append(out.read_bytes())
     assert pictures[0] != pictures[1]

@@ -73,7 +73,8 @@ def test_failing_rank_stops_every_process(tmp_path, fail_rank):
     with pytest.raises(AssertionError, match=f"injected failure on rank {fail_rank}") as failure:
         run_lightning(tmp_path, WORLD, [{"pp": 2, "loops": 2, "m": 2, "fail_rank": fail_rank, "pid_dir": str(pids)}],
                       timeout=100)
-    # timed from the failure (the failing rank's on_exception writes that file), not from the launch, which load stretches
+    # timed from the failure (the failing rank's on_exception writes that file), not from the launch,
+    # which load stretches
     assert time.time() - (pids / f"exception{fail_rank}").stat().st_mtime < BUDGET_S
     _names_the_failed_rank(str(failure.value), fail_rank)
     assert f"[rank {fail_rank}] bfpp: the job stops because rank {fail_rank} failed: RuntimeError" in str(failure.value)
@@ -143,8 +144,8 @@ def test_stuck_rank_ends_the_job_by_the_timeout(tmp_path):
     said = re.findall(r"\[rank (\d)\] bfpp: the job stops because (.*)", str(failure.value))
     # the first wait to end is a timeout; a rank waiting on a peer that has already stopped for it may instead see
     # the connection close (seen under the load of parallel test processes): either way the stuck rank is named
-    assert said and all(re.search(r"timed? ?out|connection closed", why.lower()) and "rank 3 did not reach step 1" in why
-                        for _, why in said), said
+    assert said and all(re.search(r"timed? ?out|connection closed", why.lower())
+                        and "rank 3 did not reach step 1" in why for _, why in said), said
 
 
 @pytest.mark.slow
@@ -166,7 +167,8 @@ def test_failing_rank_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_input_the_stages_cannot_take_names_the_stage(tmp_path):
-    """A batch the first stage's layers cannot take fails with the layer, stage and pipeline rank named, on every rank."""
+    """A batch the first stage's layers cannot take fails with the layer, stage and pipeline rank named, on
+    every rank."""
     with pytest.raises(AssertionError) as failure:
         run_lightning(tmp_path, 2, [{"pp": 2, "loops": 1, "m": 2, "wide_batch": 1}], timeout=100)
     output = str(failure.value)
@@ -217,4 +219,5 @@ def test_nonfinite_loss_skip_drops_that_batch(tmp_path):
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
     assert all(torch.isnan(torch.tensor(r["losses"][1])) for r in ranks)
     assert all(r["skipped"][:2] == [None, 1.0] for r in ranks), [r["skipped"] for r in ranks]  # logged on the skip
-    assert [r["losses"][i] for r in ranks for i in (0, 2, 3)] == pytest.approx([losses[i] for _ in ranks for i in (0, 2, 3)], abs=1e-6)
+    assert [r["losses"][i] for r in ranks for i in (0, 2, 3)] == pytest.approx(
+        [losses[i] for _ in ranks for i in (0, 2, 3)], abs=1e-6)

@@ -86,7 +86,7 @@ def test_optimizer_and_schedule(name):
     model = GPT(CFG, OptimConfig(name=name, lr=0.01, warmup_steps=10))
     model.trainer = SimpleNamespace(max_steps=100, estimated_stepping_batches=100)
     conf = model.configure_optimizers()
-    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    opt, _ = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     assert type(opt).__name__ == {"adamw": "AdamW", "sgd": "SGD"}[name]
     assert conf["lr_scheduler"]["interval"] == "step"
     assert opt.param_groups[1]["weight_decay"] == 0.0 and all(p.dim() < 2 for p in opt.param_groups[1]["params"])

@@ -19,7 +19,8 @@ ACCUMULATE, STEPS, BATCH, LR = 2, 3, 4, 0.1
 
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(ACCUMULATE * STEPS * BATCH, 5, generator=g), torch.randn(ACCUMULATE * STEPS * BATCH, 1, generator=g))
+    return TensorDataset(torch.randn(ACCUMULATE * STEPS * BATCH, 5, generator=g),
+                         torch.randn(ACCUMULATE * STEPS * BATCH, 1, generator=g))
 
 
 class Net(LightningModule):
@@ -89,10 +90,11 @@ def test_lightning_closure_order_lets_gradients_computed_in_training_step_reach_
                       accumulate_grad_batches=ACCUMULATE, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(model, DataLoader(_data(), batch_size=BATCH))
-    window = ["training_step", "zero_grad", "backward"] + ["training_step", "backward"] * (ACCUMULATE - 1) + ["optimizer_step"]
+    window = (["training_step", "zero_grad", "backward"] + ["training_step", "backward"] * (ACCUMULATE - 1)
+              + ["optimizer_step"])
     assert calls == window * STEPS, (
-        "Lightning's automatic-optimization closure order changed; lightning_bfpp.adapter.handover.GradHandover (and the "
-        f"lightning<2.7 pin) assume {window}, got {calls}"
+        "Lightning's automatic-optimization closure order changed; lightning_bfpp.adapter.handover.GradHandover (and "
+        f"the lightning<2.7 pin) assume {window}, got {calls}"
     )
     ref_grads, ref_params = _reference()
     assert len(model.stepped_grads) == STEPS

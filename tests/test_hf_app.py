@@ -63,7 +63,8 @@ def test_a_saved_model_fine_tunes_from_the_command_line(tmp_path, saved_llama):
              f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["model"] == "hf_pretrained" and s["steps"] == 2 and s["pipeline_parallel"] == 2
-    assert s["params"] == 2 * (256 * 32) + 2 * (4 * 32 * 32 - 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32) + 32  # the saved shape
+    # the saved shape
+    assert s["params"] == 2 * (256 * 32) + 2 * (4 * 32 * 32 - 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32) + 32
     assert math.isfinite(s["train_loss"]) and s["train_loss"] < 6
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
+transformers = pytest.importorskip("transformers",
+                                   reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
 from lightning_bfpp.hf import CausalLM, TypedDecoderLayer  # noqa: E402
 from lightning_bfpp.layout.cut import plan_stages  # noqa: E402
@@ -34,7 +35,8 @@ ARCHITECTURES = {  # model_type: what its own forward does besides calling its m
 
 def build(model_type: str, attn: str = "sdpa", **overrides):
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **{**SMALL, **ARCHITECTURES.get(model_type, {}), **overrides})
+    config = transformers.AutoConfig.for_model(model_type,
+                                               **{**SMALL, **ARCHITECTURES.get(model_type, {}), **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     for p in model.parameters():  # logits of order 10, so a missed scaling or soft-cap shows
         if p.dim() > 1:
@@ -47,7 +49,8 @@ NEEDS_5 = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, re
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("model_type", [pytest.param(t, marks=NEEDS_5) if t == "gemma3_text" else t for t in ARCHITECTURES])
+@pytest.mark.parametrize("model_type",
+                         [pytest.param(t, marks=NEEDS_5) if t == "gemma3_text" else t for t in ARCHITECTURES])
 def test_the_pipeline_layers_give_the_models_own_logits(model_type, attn):
     model = build(model_type, attn).eval()
     lm = CausalLM(model)
@@ -64,7 +67,8 @@ def test_layers_of_mixed_attention_types_keep_the_models_own_names():
     assert [layer.attention_type for layer in layers[1:-1]] == ARCHITECTURES["ministral"]["layer_types"]
     assert all(isinstance(layer, TypedDecoderLayer) for layer in layers[1:-1])
     names = plan_stages(lm, layers, 5)
-    assert names == [["model.embed_tokens"], ["model.layers.0"], ["model.layers.1"], ["model.layers.2"], ["model.norm", "lm_head"]]
+    assert names == [["model.embed_tokens"], ["model.layers.0"], ["model.layers.1"], ["model.layers.2"],
+                     ["model.norm", "lm_head"]]
 
 
 class ScaledLlama(transformers.LlamaForCausalLM):
@@ -80,7 +84,8 @@ class ScaledLlama(transformers.LlamaForCausalLM):
 def test_a_model_whose_forward_does_more_than_its_layers_is_refused():
     model = ScaledLlama(transformers.LlamaConfig(**SMALL))
     model.train()
-    with pytest.raises(ValueError, match=r"ScaledLlama's pipeline layers do not reproduce its own forward .* check=False"):
+    with pytest.raises(ValueError,
+                       match=r"ScaledLlama's pipeline layers do not reproduce its own forward .* check=False"):
         CausalLM(model)
     assert model.training  # the check puts the mode back
     CausalLM(model, check=False)  # the user's own risk
@@ -97,14 +102,16 @@ def test_layers_that_cannot_run_alone_are_refused_naming_the_model():
         return plain(*args, **kwargs)
 
     layer.forward = forward
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM's layers cannot run one after another .*needs the whole model"):
+    with pytest.raises(ValueError,
+                       match=r"LlamaForCausalLM's layers cannot run one after another .*needs the whole model"):
         CausalLM(model)
 
 
 def test_an_unknown_attention_type_is_named():
     model = build("qwen3_next", linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16,
                   linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
-                  shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention", "full_attention"])
+                  shared_expert_intermediate_size=16,
+                  layer_types=["linear_attention", "full_attention", "full_attention"])
     with pytest.raises(ValueError, match=r"attention type 'linear_attention'.*list its layers"):
         CausalLM(model)
 
@@ -119,7 +126,8 @@ def test_the_check_draws_no_random_numbers():
 
 
 def test_a_router_loss_that_is_not_trained_is_named():
-    with pytest.warns(UserWarning, match=r"output_router_logits=True, but its router's auxiliary loss is not part of pipeline_loss"):
+    with pytest.warns(UserWarning, match=r"output_router_logits=True, but its router's auxiliary loss is not "
+                                         r"part of pipeline_loss"):
         CausalLM(build("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
 
 
@@ -170,16 +178,17 @@ def test_sequence_parallel_gathers_the_sequence_for_the_split_projections_only()
     assert plans["model.layers.0"] == {
         "self_attn": "ReplicatedInput", "mlp": "ReplicatedInput",
         "input_layernorm": "SequenceParallel", "post_attention_layernorm": "SequenceParallel",
-        "self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel", "self_attn.v_proj": "ColwiseParallel",
-        "self_attn.o_proj": "RowwiseParallel", "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel",
-        "mlp.down_proj": "RowwiseParallel"}
+        "self_attn.q_proj": "ColwiseParallel", "self_attn.k_proj": "ColwiseParallel",
+        "self_attn.v_proj": "ColwiseParallel", "self_attn.o_proj": "RowwiseParallel",
+        "mlp.gate_proj": "ColwiseParallel", "mlp.up_proj": "ColwiseParallel", "mlp.down_proj": "RowwiseParallel"}
     (head,) = [plan for name, plan in plans.items() if "OutputHead" in name]
     assert head == {"lm_head": "ColwiseParallel", "": "ReplicatedInput"}
     tied = _plans(build("qwen2", num_key_value_heads=2, tie_word_embeddings=True), sequence_parallel=True)
     assert tied["model.embed_tokens"] == {"": "PrepareModuleOutput"}  # whole, then cut to this rank's shard
     mixed = _plans(build("ministral", num_key_value_heads=2), sequence_parallel=True)
     typed = [plan for name, plan in mixed.items() if "TypedDecoderLayer" in name]
-    assert all(p["layer.input_layernorm"] == "SequenceParallel" and p["layer.self_attn"] == "ReplicatedInput" for p in typed)
+    assert all(p["layer.input_layernorm"] == "SequenceParallel" and p["layer.self_attn"] == "ReplicatedInput"
+               for p in typed)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
@@ -202,18 +211,21 @@ def test_a_decoder_layer_issues_the_collectives_the_simulator_counts(sequence_pa
 
 def test_sequence_parallel_refuses_a_decoder_child_it_cannot_shard():
     model = build("llama", num_key_value_heads=2)
-    model.model.layers[0].adapter = torch.nn.Linear(SMALL["hidden_size"], SMALL["hidden_size"])  # e.g. a user's addition
-    with pytest.raises(ValueError, match=r"sequence_parallel=True: LlamaForCausalLM's decoder layer has adapter \(Linear\), "
-                                         r"which is neither a norm nor split by the model's plan"):
+    # e.g. a user's addition
+    model.model.layers[0].adapter = torch.nn.Linear(SMALL["hidden_size"], SMALL["hidden_size"])
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: LlamaForCausalLM's decoder layer has adapter "
+                                         r"\(Linear\), which is neither a norm nor split by the model's plan"):
         _plans(model, sequence_parallel=True)
 
 
 @pytest.mark.parametrize("model_type, overrides, message", [
     ("llama", {}, r"tensor_parallel=2 must divide LlamaForCausalLM's num_attention_heads=2 and num_key_value_heads=1 "
-                  r"\(each tensor-parallel rank computes whole query and key/value heads\); use tensor_parallel in \[1\]"),
+                  r"\(each tensor-parallel rank computes whole query and key/value heads\); use tensor_parallel in "
+                  r"\[1\]"),
     ("gpt2", {}, r"GPT2LMHeadModel has no tensor-parallel plan .* subclass CausalLM and return each layer's plan"),
-    ("gemma3_text", {"num_key_value_heads": 2}, r"splits model.layers.0.self_attn.q_norm as 'replicated_with_grad_allreduce', "
-                                                r"which lightning_bfpp cannot translate"),
+    ("gemma3_text", {"num_key_value_heads": 2},
+     r"splits model.layers.0.self_attn.q_norm as 'replicated_with_grad_allreduce', which lightning_bfpp cannot "
+     r"translate"),
 ])
 def test_a_plan_that_cannot_run_is_refused_naming_the_rule(model_type, overrides, message):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)) \

@@ -107,13 +107,15 @@ def test_module_imports_follow_the_parts(path):
 
 
 def test_the_check_sees_relative_lazy_and_plain_imports():
-    code = "import torch\nfrom ..layout import x\ndef f():\n    from lightning_bfpp.runtime import y\nfrom .cost import c\n"
+    code = ("import torch\nfrom ..layout import x\ndef f():\n    from lightning_bfpp.runtime import y\n"
+            "from .cost import c\n")
     assert violations(code, "lightning_bfpp.sim.draw") == ["torch", "lightning_bfpp.layout", "lightning_bfpp.runtime"]
     assert violations("from ..sim import a\nimport json\n", "lightning_bfpp.schedule.lower") == ["lightning_bfpp.sim"]
     assert violations("from . import actions\n", "lightning_bfpp.schedule", is_package=True) == []
     assert violations("from ..strategy import S\nimport lightning\n", "lightning_bfpp.runtime.pipeline") == [
         "lightning_bfpp.strategy", "lightning"]
-    assert violations("from ..adapter.steps import s\n", "lightning_bfpp.layout.stages") == ["lightning_bfpp.adapter.steps"]
+    assert violations("from ..adapter.steps import s\n", "lightning_bfpp.layout.stages") == [
+        "lightning_bfpp.adapter.steps"]
     assert violations("from ..adapter import steps\n", "lightning_bfpp.strategy") == []
 
 
@@ -177,7 +179,8 @@ def _run(code: str) -> str:
                                      "lightning_bfpp.sim.calibration", "lightning_bfpp.contract"])
 def test_pure_packages_import_neither_lightning_nor_torch_distributed(package):
     loaded = _run(f"import sys, {package}\nprint(' '.join(sorted(sys.modules)))").split()
-    heavy = [m for m in loaded if _under(m, ("lightning", "pytorch_lightning", "torch.distributed", "lightning_bfpp.strategy"))]
+    heavy = [m for m in loaded
+             if _under(m, ("lightning", "pytorch_lightning", "torch.distributed", "lightning_bfpp.strategy"))]
     assert not heavy, f"import {package} loads {heavy[:5]}"
 
 
@@ -187,7 +190,8 @@ def test_import_registers_the_bfpp_strategy(order):
     code = "\n".join([*(imports if order == "lightning_bfpp first" else imports[::-1]),
                       "from lightning.pytorch.strategies import StrategyRegistry",
                       "assert 'bfpp' in StrategyRegistry",
-                      "trainer = Trainer(strategy='bfpp', accelerator='cpu', devices=1, logger=False, enable_checkpointing=False)",
+                      "trainer = Trainer(strategy='bfpp', accelerator='cpu', devices=1, logger=False, "
+                      "enable_checkpointing=False)",
                       "print(type(trainer.strategy).__name__, trainer.strategy is not None)"])
     assert _run(code).split()[-2:] == ["BFPPStrategy", "True"]
 
@@ -232,7 +236,8 @@ def mesh_rules_broken(source: str, module: str) -> list[str]:
         elif isinstance(node, ast.Subscript) and module != MESH_OWNER:
             key = node.slice
             if isinstance(key, ast.Constant) and key.value in ("pipeline_parallel", "data_parallel", "tensor_parallel"):
-                found.append(f"line {node.lineno}: names a mesh dimension ({ast.unparse(node)}; use schedule.dims' names)")
+                found.append(f"line {node.lineno}: names a mesh dimension ({ast.unparse(node)}; use schedule.dims' "
+                             "names)")
     return found
 
 

@@ -56,7 +56,8 @@ def test_the_weights_do_not_depend_on_which_modules_a_rank_holds():
 def test_a_module_holding_tensors_without_reset_parameters_is_refused_by_name():
     with torch.device("meta"):
         model = StackNet(counter=True)  # Counter: buffers, no reset_parameters
-    with pytest.raises(TypeError, match=r"counters\.\d \(Counter\) holds calls, input_sum, one and has no reset_parameters"):
+    with pytest.raises(TypeError,
+                       match=r"counters\.\d \(Counter\) holds calls, input_sum, one and has no reset_parameters"):
         materialize(model, torch.device("cpu"), 0, init_hook(model))
 
 
@@ -80,7 +81,8 @@ transformers = pytest.importorskip("transformers", reason="lightning_bfpp.hf nee
 def tiny_qwen2():
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                   num_key_value_heads=1, vocab_size=64, max_position_embeddings=16, tie_word_embeddings=True)
+                                   num_key_value_heads=1, vocab_size=64, max_position_embeddings=16,
+                                   tie_word_embeddings=True)
     return transformers.Qwen2ForCausalLM(cfg)
 
 
@@ -130,7 +132,8 @@ def test_from_pretrained_refuses_what_it_cannot_read(saved, tmp_path, monkeypatc
     from lightning_bfpp.hf import CausalLM
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(OSError, match=r"no such local directory, and the Hugging Face Hub did not provide it.*save_pretrained"):
+    with pytest.raises(OSError,
+                       match=r"no such local directory, and the Hugging Face Hub did not provide it.*save_pretrained"):
         CausalLM.from_pretrained("some-org/some-model")
     (tmp_path / "config.json").write_text((saved / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="reads safetensors only"):
@@ -180,5 +183,6 @@ def test_a_tensor_that_no_initializer_writes_is_refused():
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), HalfReset())
-    with pytest.raises(TypeError, match=r"1.mask \(HalfReset\) was not initialized by HalfReset's reset_parameters\(\)"):
+    with pytest.raises(TypeError,
+                       match=r"1.mask \(HalfReset\) was not initialized by HalfReset's reset_parameters\(\)"):
         materialize(model, torch.device("cpu"), 0, init_hook(model))

@@ -49,14 +49,15 @@ def _fixed_best(model, cluster, batch, name):
                             if m > SPACE["max_micro_batches"] or pp * loops > model.num_layers:
                                 continue
                             try:
-                                sched = build_schedule(ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m,
-                                                                    groups=groups, reshard_after_forward=raf))
+                                sched = build_schedule(ScheduleSpec(name, pipeline_parallel=pp, loops=loops,
+                                                                    micro_batches=m, groups=groups,
+                                                                    reshard_after_forward=raf))
                             except ScheduleError:
                                 continue
                             r = simulate(relower(sched, residency, cache),
-                                         build_costs(model, cluster, pipeline_parallel=pp, loops=loops, data_parallel=dp,
-                                                     micro_batch_size=mbs, micro_batches=m, sharding=sharding,
-                                                     tensor_parallel=tp), timeline=False)
+                                         build_costs(model, cluster, pipeline_parallel=pp, loops=loops,
+                                                     data_parallel=dp, micro_batch_size=mbs, micro_batches=m,
+                                                     sharding=sharding, tensor_parallel=tp), timeline=False)
                             if r.peak_memory <= cluster.usable_memory:
                                 best = max(best, r.tokens_per_second_per_device)
     return best
@@ -89,7 +90,8 @@ def test_memory_filter_and_lower_bound():
     assert all(p.peak_memory <= 4e7 for p in plans if p.fits)
     assert any(p.peak_memory > 4e7 and p.peak_memory < tight.device_memory for p in plans)  # the reserve rejects these
     for c in list(candidates(model, cluster, 64, max_micro_batches=16))[::5]:
-        assert memory_lower_bound(c, candidate_costs(model, cluster, c)) <= simulate_candidate(model, cluster, c).peak_memory
+        assert (memory_lower_bound(c, candidate_costs(model, cluster, c))
+                <= simulate_candidate(model, cluster, c).peak_memory)
 
 
 def test_overrides_format():
@@ -131,7 +133,7 @@ def test_residency_chosen_by_memory():
     for p in every:
         by.setdefault(p.candidate.micro_batches, {})[(p.candidate.residency, p.candidate.reshard_after_forward)] = p
     checked = 0
-    for m, variants in by.items():
+    for variants in by.values():
         step = variants[("step", False)]
         for key in (("cache", False), ("run", False)):
             if key in variants:

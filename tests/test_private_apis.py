@@ -19,7 +19,8 @@ BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightnin
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
                       "_Action", "_ComputationType", "_device_mesh", "_data_source"}
-SELF_OK = {"_optimizer", "_device_mesh"}  # `self._optimizer` / `self._device_mesh`: the class's own (or its strategy base's)
+# `self._optimizer` / `self._device_mesh`: the class's own (or its strategy base's)
+SELF_OK = {"_optimizer", "_device_mesh"}
 LIBRARIES = ("torch", "lightning", "torchmetrics", "pytorch_lightning")
 
 
@@ -52,14 +53,17 @@ MODULES = [pytest.param(p, id=str(p.relative_to(PKG))) for p in sorted(PKG.rglob
 @pytest.mark.parametrize("path", MODULES)
 def test_private_apis_only_in_the_bridge_modules(path):
     found = private_uses(path.read_text())
-    assert not found, f"{path.relative_to(ROOT)} uses {found}: move them to {sorted(BRIDGES)} (docs/development.md: private APIs)"
+    assert not found, (f"{path.relative_to(ROOT)} uses {found}: move them to {sorted(BRIDGES)} (docs/development.md: "
+                       "private APIs)")
 
 
 def test_the_scan_sees_private_imports_and_attributes():
     code = ("from lightning.fabric.utilities.init import _materialize_distributed_module\n"
             "import torch._C._distributed_c10d\nfrom torch.distributed.fsdp._fully_shard import x\n"
-            "def f(m, o):\n    m._device_mesh = self._device_mesh\n    return m._forward_cache, o._optimizer, self._optimizer\n"
-            "from torch import nn\nfrom ._private import ok\nsource = getattr(trainer.fit_loop, '_data_source', None)\n")
+            "def f(m, o):\n    m._device_mesh = self._device_mesh\n"
+            "    return m._forward_cache, o._optimizer, self._optimizer\n"
+            "from torch import nn\nfrom ._private import ok\n"
+            "source = getattr(trainer.fit_loop, '_data_source', None)\n")
     assert sorted(private_uses(code)) == sorted([
         "lightning.fabric.utilities.init: _materialize_distributed_module", "torch._C._distributed_c10d",
         "torch.distributed.fsdp._fully_shard: x", "_device_mesh", "_forward_cache", "_optimizer", "_data_source"])
@@ -85,8 +89,8 @@ def test_untested_version_imports_with_a_warning_only_when_allowed(monkeypatch):
         check_version("torch", "2.11.0")
 
 
-@pytest.mark.parametrize("distribution,installed", [("torch", "2.13.0+cpu"), ("torch", "2.13.1"), ("lightning", "2.6.6"),
-                                                    ("torchmetrics", "1.9.0")])
+@pytest.mark.parametrize("distribution,installed", [("torch", "2.13.0+cpu"), ("torch", "2.13.1"),
+                                                    ("lightning", "2.6.6"), ("torchmetrics", "1.9.0")])
 def test_tested_versions_pass(distribution, installed):
     check_version(distribution, installed)
 

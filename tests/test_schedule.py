@@ -35,7 +35,8 @@ def test_every_legal_combination_validates_and_illegal_ones_are_rejected():
     for name, pp, loops, m in itertools.product(SCHEDULES, range(1, 9), range(1, 5), range(1, 17)):
         spec = ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m)
         looped_ok = name in ("breadth_first", "depth_first", "breadth_first_zb") or loops == 1
-        expected = looped_ok and not (name == "depth_first" and loops > 1 and m % pp)  # looped BF: any m (m < pp: bubble)
+        # looped BF: any m (m < pp: bubble)
+        expected = looped_ok and not (name == "depth_first" and loops > 1 and m % pp)
         assert _legal(spec) == expected, spec
         if not expected:
             rejected += 1
@@ -61,13 +62,14 @@ def test_variants_validate_over_a_grid(variant):
         spec = ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m, **variant)
         if not _legal(spec):
             continue
-        sched, plain = build_schedule(spec), build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops,
-                                                                           micro_batches=m))
+        sched, plain = build_schedule(spec), build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp,
+                                                                           loops=loops, micro_batches=m))
         built += 1
         trained = 0 if spec.forward_only else 1
         for rank in range(pp):
             ops = Counter(a.op for a in sched.actions[rank])
-            assert (ops[Op.FORWARD], ops[Op.BACKWARD], ops[Op.REDUCE_GRAD]) == (loops * m, trained * loops * m, trained * loops)
+            assert ((ops[Op.FORWARD], ops[Op.BACKWARD], ops[Op.REDUCE_GRAD])
+                    == (loops * m, trained * loops * m, trained * loops))
         assert gathers(sched) >= gathers(plain)
         more_gathers += gathers(sched) > gathers(plain)
     assert built >= 70
@@ -79,7 +81,8 @@ def test_variants_validate_over_a_grid(variant):
     [
         ({"name": "gpipe", "pipeline_parallel": 2, "loops": 2, "micro_batches": 4}, "loops=2"),
         ({"name": "1f1b", "pipeline_parallel": 2, "loops": 3, "micro_batches": 4}, "loops=3"),
-        ({"name": "depth_first", "pipeline_parallel": 4, "loops": 2, "micro_batches": 6}, "divisible by pipeline_parallel"),
+        ({"name": "depth_first", "pipeline_parallel": 4, "loops": 2, "micro_batches": 6},
+         "divisible by pipeline_parallel"),
         ({"name": "depth_first", "micro_batches": 4, "groups": 2}, "groups=2"),
         ({"name": "breadth_first", "micro_batches": 5, "groups": 2}, "divisible by groups"),
         ({"name": "zigzag"}, "schedule='zigzag'"),
@@ -131,7 +134,8 @@ def test_breadth_first_fsdp_points_follow_the_paper():
 def test_reshard_after_forward_and_groups_multiply_gathers():
     base = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     keep = build_schedule(base)
-    reshard = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4, reshard_after_forward=True))
+    reshard = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4,
+                                          reshard_after_forward=True))
     groups = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4, groups=2))
     for rank in range(2):
         first, last = base.local_stages(rank)
@@ -157,10 +161,12 @@ def test_validator_catches_misordered_receives_deadlocks_and_missing_gathers():
         validate(_swap(sched, 1, Action(1, Op.RECV_F, 0), Action(1, Op.RECV_F, 1)))
     with pytest.raises(ScheduleError, match="deadlocks"):  # rank 1 waits for stage-2 output before sending stage 1's
         validate(_swap(sched, 1, Action(1, Op.FORWARD, 0), Action(3, Op.FORWARD, 0)))
-    no_gather = Schedule(sched.spec, {r: [a for a in acts if a != Action(0, Op.UNSHARD)] for r, acts in sched.actions.items()})
+    no_gather = Schedule(sched.spec, {r: [a for a in acts if a != Action(0, Op.UNSHARD)]
+                                      for r, acts in sched.actions.items()})
     with pytest.raises(ScheduleError, match="without gathered weights"):
         validate(no_gather)
-    no_reduce = Schedule(sched.spec, {r: [a for a in acts if a.op != Op.REDUCE_GRAD] for r, acts in sched.actions.items()})
+    no_reduce = Schedule(sched.spec, {r: [a for a in acts if a.op != Op.REDUCE_GRAD]
+                                      for r, acts in sched.actions.items()})
     with pytest.raises(ScheduleError, match="never runs REDUCE_GRAD"):
         validate(no_reduce)
 
@@ -218,7 +224,8 @@ def test_breadth_first_zb_splits_each_backward_and_fills_half_the_bubble():
         results[name] = evaluate(build_schedule(spec), unit_costs(spec.num_stages, 4))
     bf, zb = results["breadth_first"], results["breadth_first_zb"]
     assert zb.pipeline_bubble < 0.5 * bf.pipeline_bubble, (zb.pipeline_bubble, bf.pipeline_bubble)
-    assert (bf.step_time, zb.step_time) == (57, 51)  # 48 units of work per rank; zb: only the 3-tick pipeline fill idles
+    # 48 units of work per rank; zb: only the 3-tick pipeline fill idles
+    assert (bf.step_time, zb.step_time) == (57, 51)
     peak = lambda r: max(x.category_peak["activations"] for x in r.memory)  # noqa: E731
     assert peak(zb) == peak(bf)
 

@@ -57,7 +57,8 @@ def test_bubble_closed_form(name):
 def test_bubble_breadth_first_groups():
     """Each group is one breadth-first pass: the bubble is paid once per group."""
     pp, loops, m, g = 2, 2, 8, 2
-    r = simulate(build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m, groups=g)), unit_costs(pp * loops, pp))
+    r = simulate(build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=pp, loops=loops, micro_batches=m,
+                                             groups=g)), unit_costs(pp * loops, pp))
     assert r.bubble == pytest.approx(g * (pp - 1) / (loops * m))
 
 
@@ -66,7 +67,8 @@ def test_prefetch_hides_all_gather_and_reduce_overlaps():
     spec = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     r = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5))
     assert r.exposed_comm == pytest.approx(1.0)
-    blocking = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5), SimOptions(blocking_reduce=True))
+    blocking = evaluate(build_schedule(spec), unit_costs(4, 2, unshard=0.5, reduce=0.5),
+                        SimOptions(blocking_reduce=True))
     assert blocking.step_time > r.step_time
 
 
@@ -84,7 +86,8 @@ def test_megatron_like_waits_for_reduction_at_end():
 
 
 def test_timeline_matches_action_lists():
-    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4, reshard_after_forward=True))
+    sched = build_schedule(ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4,
+                                        reshard_after_forward=True))
     r = simulate(sched, unit_costs(4, 2, unshard=0.2, reduce=0.2))
     for rank in range(2):
         compute = [(e.stage, e.kind, e.micro_batch) for e in r.rank_timeline(rank) if e.kind in "FB"]
@@ -98,8 +101,10 @@ def test_cost_model_pieces():
     assert ring_time(8.0, 4, 2.0, 0.0) == pytest.approx(3.0)
     model = Model(n_layer=4, n_head=4, n_embd=64, seq=32, vocab=256)
     cluster = Cluster(devices=4, num_nodes=2, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
-    intra = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=2, micro_batches=4)
-    inter = build_costs(model, cluster, pipeline_parallel=1, loops=1, data_parallel=8, micro_batch_size=2, micro_batches=4)
+    intra = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=4, micro_batch_size=2,
+                        micro_batches=4)
+    inter = build_costs(model, cluster, pipeline_parallel=1, loops=1, data_parallel=8, micro_batch_size=2,
+                        micro_batches=4)
     assert intra.stages[0].unshard == pytest.approx(3 / 4 * 2 * intra.stages[0].params / 1e11)
     assert inter.stages[0].unshard == pytest.approx(7 / 8 * 2 * inter.stages[0].params / 1e9)
     assert intra.p2p[(0, 1)] == pytest.approx(2 * 2 * 32 * 64 / 1e9)  # pipeline neighbours on two nodes
@@ -138,10 +143,12 @@ def test_wire_bytes_follow_the_runs_precision():
 
 def _activation_peak(name, loops, groups=1, pp=4, m=16):
     model = Model(n_layer=16, n_head=8, n_embd=512, seq=256, vocab=256)
-    cluster = Cluster(devices=8, num_nodes=1, flops=1e13, device_memory=8e10, intra_bw=1e11, inter_bw=1e10, latency=1e-5)
+    cluster = Cluster(devices=8, num_nodes=1, flops=1e13, device_memory=8e10, intra_bw=1e11, inter_bw=1e10,
+                      latency=1e-5)
     costs = build_costs(model, cluster, pipeline_parallel=pp, loops=loops, data_parallel=2, micro_batch_size=1,
                         micro_batches=m)
-    r = simulate(build_schedule(ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m, groups=groups)), costs)
+    r = simulate(build_schedule(ScheduleSpec(name, pipeline_parallel=pp, loops=loops, micro_batches=m,
+                                             groups=groups)), costs)
     return max(mem.activations for mem in r.memory)
 
 
@@ -187,9 +194,10 @@ def test_tensor_parallel_divides_compute_state_and_adds_in_node_collectives():
     sequence parallel every block activation / tp (Korthikanti et al.)."""
     model = Model(n_layer=4, n_head=8, n_embd=256, seq=64, vocab=512)
     cluster = Cluster(devices=8, num_nodes=2, flops=1e12, device_memory=1e10, intra_bw=1e11, inter_bw=1e9, latency=0.0)
-    one = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=8, micro_batch_size=2, micro_batches=4)
-    tp4 = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=2, micro_batch_size=2, micro_batches=4,
-                      tensor_parallel=4)
+    one = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=8, micro_batch_size=2,
+                      micro_batches=4)
+    tp4 = build_costs(model, cluster, pipeline_parallel=2, loops=1, data_parallel=2, micro_batch_size=2,
+                      micro_batches=4, tensor_parallel=4)
     assert tp4.tensor_parallel == 4 and sum(s.params for s in tp4.stages) < 0.3 * sum(s.params for s in one.stages)
     h, s, b, t = 256, 64, 2, 4
     block_tp = 2 * (2 * (t - 1) / t * 2 * s * h * b / 1e11)  # two all-reduces of the bf16 activation
@@ -284,7 +292,8 @@ def test_residency_relowering(name, loops):
     counts = {}
     for residency, cache in (("step", 0), ("cache", 2), ("cache", 1), ("run", 0)):
         re = relower(sched, residency, cache)
-        assert {r: [a for a in acts if not a.op.name.endswith(("SHARD", "GRAD"))] for r, acts in re.actions.items()} == base
+        assert {r: [a for a in acts if not a.op.name.endswith(("SHARD", "GRAD"))]
+                for r, acts in re.actions.items()} == base
         counts[(residency, cache)] = _gathered_and_reduced(re)
     for r in range(pp):
         assert counts[("step", 0)][r] == loops  # the schedule's own lowering: each local stage gathered once
@@ -296,9 +305,9 @@ def test_residency_relowering(name, loops):
 
 
 def test_residency_trades_memory_for_gathers():
-    """Unit stages, all-gathers and reduce-scatters as long as a forward and backward: a short residency frees gathered weights
-    and unsharded gradients (peak category bytes fall) and pays one all-gather per regather on the gather
-    stream (the step lasts at least gathers x all-gather time)."""
+    """Unit stages, all-gathers and reduce-scatters as long as a forward and backward: a short residency frees gathered
+    weights and unsharded gradients (peak category bytes fall) and pays one all-gather per regather on the gather stream
+    (the step lasts at least gathers x all-gather time)."""
     from lightning_bfpp.sim.residency import relower
 
     pp, loops, m, params = 2, 4, 4, 10
@@ -319,11 +328,13 @@ def test_residency_trades_memory_for_gathers():
 def test_sequence_parallel_sends_each_ranks_shard():
     """With sequence parallel the stage-boundary activation is split over tp: each tp rank sends 1/tp of it."""
     model = Model(8, 16, 1024, 512, 1024)
-    cluster = Cluster(devices=8, num_nodes=4, flops=1e14, device_memory=8e10, intra_bw=3e11, inter_bw=2.5e10, latency=1e-5)
+    cluster = Cluster(devices=8, num_nodes=4, flops=1e14, device_memory=8e10, intra_bw=3e11, inter_bw=2.5e10,
+                      latency=1e-5)
     kw = dict(pipeline_parallel=4, loops=1, data_parallel=1, micro_batch_size=2, micro_batches=4, tensor_parallel=8)
     whole, split = (build_costs(model, cluster, sequence_parallel=sp, **kw) for sp in (False, True))
     message = 2 * 2 * 512 * 1024  # bf16 x micro-batch x seq x width
-    assert whole.p2p_time(0, 1) == pytest.approx(1e-5 + message / 2.5e10)  # tp=8, dp=1: pipeline neighbours in other nodes
+    # tp=8, dp=1: pipeline neighbours in other nodes
+    assert whole.p2p_time(0, 1) == pytest.approx(1e-5 + message / 2.5e10)
     assert split.p2p_time(0, 1) == pytest.approx(1e-5 + message / 8 / 2.5e10)
 
 
@@ -345,7 +356,8 @@ def test_bandwidth_hurts_megatron_reduction_fully_and_overlapped_fsdp_partly():
 
     def run(bw):
         cl = replace(cluster, inter_bw=bw)
-        fsdp, dist_opt = build_costs(model, cl, sharding="full", **kw), build_costs(model, cl, sharding="optimizer", **kw)
+        fsdp, dist_opt = (build_costs(model, cl, sharding="full", **kw),
+                          build_costs(model, cl, sharding="optimizer", **kw))
         local = lambda r: range(r, pp * loops, pp)  # noqa: E731
         comm = max(sum(fsdp.stages[s].unshard + fsdp.stages[s].reduce for s in local(r)) for r in range(pp))
         reduce = max(sum(dist_opt.stages[s].reduce for s in local(r)) for r in range(pp))

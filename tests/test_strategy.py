@@ -33,7 +33,8 @@ def test_string_name_registers_the_strategy():
         ({"pipeline_parallel": 2, "micro_batches": -1}, ScheduleError, "micro_batches=-1"),
         ({"sharding": "zero2"}, ValueError, "sharding='zero2'"),
         ({"pipeline_parallel": 0}, ScheduleError, "pipeline_parallel=0 must be a positive integer"),
-        ({"pipeline_parallel": 2, "loops": 2, "stage_layers": [1, 2]}, ValueError, r"stage_layers=\[1, 2\] must list 4"),
+        ({"pipeline_parallel": 2, "loops": 2, "stage_layers": [1, 2]}, ValueError,
+         r"stage_layers=\[1, 2\] must list 4"),
         ({"pipeline_parallel": 2, "stage_layers": [3, 0]}, ValueError, r"stage_layers=\[3, 0\] must list 2 positive"),
         # 0 and "" are refused, not taken for "not given" (None)
         ({"pipeline_parallel": 2, "loops": 0}, ScheduleError, "loops=0 must be a positive integer"),
@@ -41,7 +42,8 @@ def test_string_name_registers_the_strategy():
         ({"schedule": ""}, ScheduleError, "schedule='' is unknown"),
         ({"sharding": ""}, ValueError, "sharding='' is unknown"),
         ({"global_batch_size": 0}, ValueError, "global_batch_size=0 must be a positive integer"),
-        ({"layout": "auto", "global_batch_size": 8, "tensor_parallel": 2}, ValueError, "searches tensor_parallel=1 only"),
+        ({"layout": "auto", "global_batch_size": 8, "tensor_parallel": 2}, ValueError,
+         "searches tensor_parallel=1 only"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, error, match):
@@ -163,7 +165,8 @@ def test_model_without_hooks_gets_a_clear_error():
         "L.Trainer(accelerator='cpu', devices=1, strategy='bfpp', max_steps=1, logger=False)"
         ".fit(M(), DataLoader(torch.randn(4, 2), batch_size=2))\n"
     )
-    res = subprocess.run([sys.executable, "-c", script], env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", script], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode != 0
     assert "needs `M.pipeline_layers()`" in res.stderr
 
@@ -184,7 +187,8 @@ def test_plan_stages_checks_the_model_without_changing_it():
     before = dict(model.named_modules())
     assert plan_stages(model, model.pipeline_layers(), 2) == [["embed", "blocks.0"], ["blocks.1", "head"]]
     assert dict(model.named_modules()) == before
-    with pytest.raises(ValueError, match=r"stage_layers=\[2, 3\] .* summing to the 4 layers.*e.g. stage_layers=\[2, 2\]"):
+    with pytest.raises(ValueError,
+                       match=r"stage_layers=\[2, 3\] .* summing to the 4 layers.*e.g. stage_layers=\[2, 2\]"):
         plan_stages(model, model.pipeline_layers(), 2, [2, 3])
 
 
@@ -193,7 +197,8 @@ def test_plan_stages_checks_the_model_without_changing_it():
     [
         ({"pipeline_parallel": 2, "loops": 4}, r"8 stages \(pipeline_parallel x loops\) need at least as many layers"),
         ({"pipeline_parallel": 2, "stage_layers": [1, 1]}, r"stage_layers=\[1, 1\] .* summing to the 4 layers"),
-        ({"pipeline_parallel": 2, "callbacks": "swa"}, r"StochasticWeightAveraging does not work under strategy='bfpp'"),
+        ({"pipeline_parallel": 2, "callbacks": "swa"},
+         r"StochasticWeightAveraging does not work under strategy='bfpp'"),
     ],
 )
 def test_python_api_checks_the_model_before_any_process_starts(monkeypatch, kwargs, match):
@@ -283,7 +288,7 @@ def test_a_layer_of_another_rank_names_itself_when_its_attributes_are_used():
     layer = RemoteLayer("inp", stage=0, rank=0)
     with pytest.raises(AttributeError, match=r"layer inp \(stage 0, pipeline rank 0\) lives on another pipeline rank: "
                                              r"`.weight` is not on this one.*self.named_parameters\(\)"):
-        layer.weight
+        _ = layer.weight
     assert list(layer.parameters()) == [] and not hasattr(layer, "bias")
 
 
@@ -295,7 +300,8 @@ def test_default_pipeline_inputs_take_pairs_one_tuples_and_bare_inputs():
     x, y = torch.zeros(2, 16), torch.zeros(2, dtype=torch.long)
     assert model.pipeline_inputs((x, y)) == (x, y) and model.pipeline_inputs([x, y]) == (x, y)
     assert model.pipeline_inputs((x,)) == (x, None) and model.pipeline_inputs(x) == (x, None)
-    with pytest.raises(TypeError, match=r"got tuple\(float32\[2, 16\], int64\[2\], int64\[2\]\): define pipeline_inputs"):
+    with pytest.raises(TypeError,
+                       match=r"got tuple\(float32\[2, 16\], int64\[2\], int64\[2\]\): define pipeline_inputs"):
         model.pipeline_inputs((x, y, y))
 
 

@@ -75,8 +75,10 @@ def test_exported_full_checkpoint_resumes_under_auto(moves, tmp_path):
 
 @pytest.mark.slow
 def test_a_plain_optimizer_of_other_groups_is_refused(tmp_path):
-    """A plain checkpoint whose optimizer has other param groups than this model's: the error names both, and the fix."""
+    """A plain checkpoint whose optimizer has other param groups than this model's: the error names both, and
+    the fix."""
     bad = tmp_path / "groups.ckpt"
     fit_auto("adamw_groups", 1, save=bad)
-    with pytest.raises(AssertionError, match=r"2 param group\(s\) of \[\d+, \d+\] parameters; this model's optimizer has 1"):
+    with pytest.raises(AssertionError,
+                       match=r"2 param group\(s\) of \[\d+, \d+\] parameters; this model's optimizer has 1"):
         run_lightning(tmp_path / "run", 2, [{"pp": 2, "m": 2, "opt": "sgd", "steps": 3, "resume": str(bad)}])

@@ -19,7 +19,8 @@ def _two_local_stages():
     layers = model.pipeline_layers()
     local, names = split_stages(model, layers, 2, [0, 1], lambda s: 0)
     shared = find_shared_weights(dict(zip(chain(*names), layers)), names)
-    return model, shared, TiedWeights(model, shared, local, ParallelDims(world=1, spec=ScheduleSpec(loops=2)), global_rank=0)
+    return model, shared, TiedWeights(model, shared, local, ParallelDims(world=1, spec=ScheduleSpec(loops=2)),
+                                      global_rank=0)
 
 
 def test_a_second_local_stage_gets_its_own_copy():

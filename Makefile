@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install train test bench docs clean
+.PHONY: install train test lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ JOBS ?= 2
 SLOW ?= 0
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder) $(if $(filter 1,$(SLOW)),,-m "not slow") $(ARGS)
+
+# ruff over the whole repository, with the settings in pyproject.toml ([tool.ruff]); CI runs it first.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)

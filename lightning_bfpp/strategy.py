@@ -240,9 +240,9 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
-        # Lightning's plugin, as a subclass that clips by the global norm; under "bf16-mixed" with sharded stages
-        # FSDP2 computes in bf16 (``layout.fsdp.stage_mixed_precision``), so no autocast (docs/precision.md)
-        self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm, self._fsdp_mixed_precision)
+        # Lightning's plugin as a subclass (``adapter.precision``): the global norm, no autocast where FSDP2 casts
+        self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm,
+                                                   self._fsdp_mixed_precision, self._training.before_optimizer_step)
 
     @property
     def _precision(self) -> str:

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 import common  # noqa: E402,F401  (puts examples/ on sys.path)
 from gpt import GPT, GPTConfig, flops_per_token  # noqa: E402
 
+from lightning_bfpp import mean_loss  # noqa: E402
+
 # dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0}
 
@@ -69,7 +71,7 @@ def layer_table(cfg: GPTConfig, batch: int, device: torch.device, reps: int) -> 
         def fwd_bwd(layer=layer, inp=inp, name=name):
             with autocast:
                 out = layer(inp)
-                loss = model.pipeline_loss(out, x) if name == "head" else out.float().square().mean()
+                loss = mean_loss(model.pipeline_loss(out, x)) if name == "head" else out.float().square().mean()
             loss.backward()
 
         t_f, t_fb = clock(fwd, reps), clock(fwd_bwd, reps)
@@ -100,7 +102,7 @@ def raw_loop(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device:
     def step():
         for x, y in chunks:
             with autocast:
-                loss = model.pipeline_loss(model(x), y) / micro_batches
+                loss = mean_loss(model.pipeline_loss(model(x), y)) / micro_batches
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

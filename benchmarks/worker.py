@@ -37,7 +37,7 @@ from common import model_config  # noqa: E402  (started with procenv.clean_env: 
 from data import ByteWindows, load_corpus, split_corpus  # noqa: E402
 from gpt import GPT, GPTConfig, OptimConfig, lr_factor  # noqa: E402
 
-from lightning_bfpp import BFPPStrategy  # noqa: E402
+from lightning_bfpp import BFPPStrategy, mean_loss  # noqa: E402
 from lightning_bfpp.runtime.instrument import SavedActivationMeter, local_bytes, optimizer_bytes  # noqa: E402
 
 _CORPUS: dict[int, ByteWindows] = {}
@@ -214,7 +214,7 @@ def run_raw(job: dict, devices: int) -> dict:
     rank = dist.get_rank()
     modules, _ = split_stages(model, model.pipeline_layers(), spec.num_stages, spec.local_stages(rank), spec.stage_rank)
     stages = [PipelineStage(mod, s, spec.num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
-    schedule = _torch_schedule(job, stages, model.pipeline_loss)
+    schedule = _torch_schedule(job, stages, lambda output, target: mean_loss(model.pipeline_loss(output, target)))
     params = [p for mod in modules.values() for p in mod.parameters()]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

@@ -13,8 +13,10 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_bfpp.contract.hooks import PipelineHooks
+from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
 from lightning_bfpp.sim.model import training_flops_per_token
+
+IGNORED = -100  # a target that no loss counts (prompt tokens, padding), as PyTorch's and Hugging Face's losses
 
 
 @dataclass
@@ -202,8 +204,12 @@ class GPT(PipelineHooks, L.LightningModule):
         return {**plan, "proj": scatter, "mlp.2": scatter,
                 "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(gather_output=True)}
 
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))  # mean nats per byte
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed nats, counted targets): targets of -100 (prompt tokens, padding) are not counted, and bfpp trains
+        the mean over the global batch's counted targets, as one process."""
+        target = target.reshape(-1)
+        loss = F.cross_entropy(output.reshape(-1, output.shape[-1]), target, ignore_index=IGNORED, reduction="sum")
+        return loss, (target != IGNORED).sum()
 
     # ---- plain Lightning (no bfpp): the same loss under the same names ----
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -211,7 +217,7 @@ class GPT(PipelineHooks, L.LightningModule):
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = self.pipeline_inputs(batch)
-        return self.pipeline_loss(self(x), y)
+        return mean_loss(self.pipeline_loss(self(x), y))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
@@ -221,9 +227,10 @@ class GPT(PipelineHooks, L.LightningModule):
     def _eval(self, batch, metrics: MetricCollection) -> torch.Tensor:
         x, y = self.pipeline_inputs(batch)
         logits = self(x)  # under bfpp: the pipeline's output
-        loss = self.pipeline_loss(logits, y)
+        loss_sum, counted = self.pipeline_loss(logits, y)
+        loss = loss_sum / counted
         metrics["acc"].update(logits.argmax(-1), y)
-        metrics["bpb"].update(loss / math.log(2), weight=y.numel())
+        metrics["bpb"].update(loss / math.log(2), weight=counted)
         self.log_dict(metrics)
         return loss
 

@@ -22,6 +22,7 @@ _LAZY = {
     "ScheduleSpec": "lightning_bfpp.schedule",
     "build_schedule": "lightning_bfpp.schedule",
     "seeded_init": "lightning_bfpp.layout.materialize",
+    "mean_loss": "lightning_bfpp.contract.hooks",
 }
 __all__ = list(_LAZY)
 

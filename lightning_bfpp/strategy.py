@@ -4,8 +4,9 @@ pipeline schedule (``runtime``, ``adapter``); everything else (launchers, sample
 ModelParallelStrategy."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,7 +14,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from . import checkpoint as ckpt
@@ -32,13 +33,12 @@ from .adapter.same_batch import check_same_batch
 from .adapter.steps import run_on_last_stage, user_step
 from .adapter.training import TrainingStep
 from .contract.hooks import built_in_configure_model, check_callbacks, check_module
-from .contract.source_notes import contract_notes
+from .contract.source_notes import announce_contract
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
 from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import resume_training_loader
 from .layout.auto import AutoLayout
-from .layout.layer_cost import auto_stage_layers
 from .layout.materialize import has_meta_tensors
 from .layout.mesh import build_mesh, forget_groups
 from .layout.plan import LayoutPlan
@@ -104,8 +104,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def __init__(
         self,
         pipeline_parallel: int | None = None, tensor_parallel: int = 1, loops: int | None = None,
-        sequence_parallel: bool | None = None,
-        micro_batches: int | None = None, schedule: str | None = None, groups: int | None = None,
+        sequence_parallel: bool | None = None, micro_batches: int | None = None, schedule: str | None = None,
+        groups: int | None = None,
         sharding: Literal["full", "none"] | None = None, reshard_after_forward: bool | None = None,
         stage_layers: Sequence[int] | Literal["auto"] | None = None, activation_checkpointing: bool = False,
         nonfinite_loss: Literal["stop", "skip"] = "stop", max_consecutive_skips: int = 5,
@@ -126,7 +126,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
-        self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
         self.tied = None  # TiedWeights, once the model is cut
@@ -152,6 +151,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     global_batch_size = property(lambda self: self.plan.global_batch_size)
     auto_layout = property(lambda self: self.plan.auto_layout)
     pinned = property(lambda self: self.plan.pinned)
+    stage_times_s = property(lambda self: self.plan.stage_times_s, doc='stage_layers="auto": seconds per stage.')
 
     # ---- the training step (``adapter.training``) -------------------------------------------------
     measure_every_n_steps = property(lambda self: self._training.measure_every_n_steps)
@@ -244,10 +244,10 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
-        # Lightning's plugin, as a subclass that clips by the global norm; under "bf16-mixed" with sharded stages
-        # FSDP2 computes in bf16 (``layout.fsdp.stage_mixed_precision``), so no autocast (docs/precision.md)
-        self.precision_plugin = pipeline_precision(self.precision_plugin, self._clip_grad_norm,
-                                                   self._fsdp_mixed_precision)
+        # Lightning's plugin as a subclass (``adapter.precision``): the global norm, no autocast where FSDP2 casts
+        clip = partial(clip_grad_norm_on_mesh, mesh=self.device_mesh, sharded=self.dims.sharded, tied=self.tied)
+        self.precision_plugin = pipeline_precision(self.precision_plugin, clip, self._fsdp_mixed_precision,
+                                                   self._training.before_optimizer_step)
 
     @property
     def _precision(self) -> str:
@@ -264,10 +264,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._set_world(self.num_processes * self.num_nodes, len(layers))
         if not self._contract_announced:
             self._contract_announced = True
-            line, warnings = contract_notes(module, self.spec.pipeline_parallel, self.spec.micro_batches)
-            rank_zero_info(line)
-            for warning in warnings:
-                rank_zero_warn(warning)
+            announce_contract(module, self.spec.pipeline_parallel, self.spec.micro_batches)
         stages = self.plan.check_model(module, layers)
         if self.compile:
             check_compile(self.root_device.type)
@@ -277,12 +274,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layers = list(module.pipeline_layers())
         plans = (layer_plans(module, layers, self.tensor_parallel, self.sequence_parallel)
                  if self.tensor_parallel > 1 else {})
-        stage_layers = self.stage_layers
         on_meta = has_meta_tensors(module)  # the same on every rank: every process built the same model
-        if stage_layers == "auto":
-            stage_layers, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
-                                                                 self.spec.micro_batches, self.root_device)
-            rank_zero_info(line)
+        stage_layers = self.plan.stage_cut(module, layers, self.root_device, rank_zero_info)
         seed = self.broadcast(torch.initial_seed()) if on_meta else None  # rank 0's: one initialization for all
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
@@ -294,13 +287,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                                                  self.activation_checkpointing, self.compile)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
                                       module.pipeline_loss, self.dims, self.compile)
-
-    def _clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> None:
-        """Norm clipping over the whole model (the precision plugin's ``clip_grad_by_norm``, see
-        ``lightning_bfpp.adapter.precision``): the norm is all-reduced over pipeline ranks (and data-parallel ranks when
-        gradients are sharded); copies of a shared weight count once."""
-        not_counted = self.tied.not_counted() if self.tied is not None else set()
-        clip_grad_norm_on_mesh(params, max_norm, self.device_mesh, self.dims.sharded, not_counted)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
@@ -316,7 +302,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         ckpt.save_trainer_checkpoint(
             Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],
-            self.plan.checkpoint_meta(self.stage_layer_names, self.stage_times_s), self.param_order,
+            self.plan.checkpoint_meta(self.stage_layer_names), self.param_order,
             self.tied.aliases() if self.tied is not None else {}, self._saves if self.async_save and fitting else None)
 
     @override

@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_bfpp import PipelineHooks
+from lightning_bfpp import PipelineHooks, mean_loss
 from lightning_bfpp.layout.materialize import seeded_init
 
 DIM, CLASSES, SAMPLES = 16, 5, 256
@@ -44,10 +44,11 @@ class Counter(nn.Module):
 class StackNet(PipelineHooks, LightningModule):
     """embed -> blocks -> head; the ~15 lines that make it pipelinable are the three pipeline_* hooks."""
 
-    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd", tied: bool = False, counter: bool = False):
+    def __init__(self, n_blocks: int = 6, lr: float = 0.5, opt: str = "sgd", tied: bool = False, counter: bool = False,
+                 counted: bool = False):
         super().__init__()
         self.save_hyperparameters()
-        self.lr, self.opt = lr, opt
+        self.lr, self.opt, self.counted = lr, opt, counted
         self.embed = nn.Linear(DIM, DIM)
         self.blocks = nn.ModuleList(Block(DIM) for _ in range(n_blocks))
         self.unembed = None
@@ -64,6 +65,8 @@ class StackNet(PipelineHooks, LightningModule):
         return [self.embed, *first, *self.blocks, *tied, *last, self.head]
 
     def pipeline_loss(self, output, target):
+        if self.counted:  # targets of -100 are ignored: (the counted targets' summed loss, their number)
+            return F.cross_entropy(output, target, ignore_index=-100, reduction="sum"), (target != -100).sum()
         return F.cross_entropy(output, target)
 
     def forward(self, x):
@@ -71,17 +74,17 @@ class StackNet(PipelineHooks, LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.pipeline_loss(self(x), y)
+        loss = mean_loss(self.pipeline_loss(self(x), y))
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", self.pipeline_loss(self(x), y), sync_dist=True)  # the mean over data-parallel replicas
+        self.log("val_loss", mean_loss(self.pipeline_loss(self(x), y)), sync_dist=True)  # the mean over replicas
 
     def test_step(self, batch, batch_idx):
         x, y = batch
-        self.log("test_loss", self.pipeline_loss(self(x), y), sync_dist=True)
+        self.log("test_loss", mean_loss(self.pipeline_loss(self(x), y)), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         return self(batch[0])
@@ -104,7 +107,7 @@ class LateStackNet(StackNet):
     def __init__(self, **kwargs):
         LightningModule.__init__(self)
         self.save_hyperparameters()
-        self.lr, self.opt = kwargs.get("lr", 0.5), kwargs.get("opt", "sgd")
+        self.lr, self.opt, self.counted = kwargs.get("lr", 0.5), kwargs.get("opt", "sgd"), kwargs.get("counted", False)
         self.kwargs, self.embed = kwargs, None
 
     def configure_model(self):
@@ -117,13 +120,18 @@ class LateStackNet(StackNet):
             setattr(self, name, child)  # then the later stage's layer (unembed), whose initialization all copies take
 
 
-def dataset() -> TensorDataset:
+def dataset(ignored: bool = False) -> TensorDataset:
+    """SAMPLES random inputs and classes; `ignored`: about 40 % of the targets are -100 (not counted by a loss), so
+    micro-batches, replicas and batches count different numbers of targets."""
     g = torch.Generator().manual_seed(1234)
-    return TensorDataset(torch.randn(SAMPLES, DIM, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g))
+    x, y = torch.randn(SAMPLES, DIM, generator=g), torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+    if ignored:
+        y = torch.where(torch.rand(SAMPLES, generator=g) < 0.4, torch.full_like(y, -100), y)
+    return TensorDataset(x, y)
 
 
-def loader(batch_size: int) -> DataLoader:
-    return DataLoader(dataset(), batch_size=batch_size, shuffle=False, drop_last=True)
+def loader(batch_size: int, ignored: bool = False) -> DataLoader:
+    return DataLoader(dataset(ignored), batch_size=batch_size, shuffle=False, drop_last=True)
 
 
 def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset | None = None):
@@ -141,29 +149,33 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
 def reference(
     steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None,
     seed: int = 0, skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False,
-    counter: bool = False, meta: bool | str = False,
+    counter: bool = False, meta: bool | str = False, counted: bool = False,
 ):
     """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
     Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1).
+    `counted`: about 40 % of the targets are ignored and each optimizer step trains the mean over the counted targets
+    of all its accumulated batches (each batch's loss recorded as its own mean).
     `meta`: initialized as bfpp initializes a model built on the meta device (seeded per module); "configure_model":
     a LateStackNet, whose modules are registered in another order."""
     torch.manual_seed(seed)
-    model = StackNet(opt=opt, tied=tied, counter=counter)
+    model = StackNet(opt=opt, tied=tied, counter=counter, counted=counted)
     if meta == "configure_model":
-        model = LateStackNet(opt=opt, tied=tied, counter=counter)
+        model = LateStackNet(opt=opt, tied=tied, counter=counter, counted=counted)
         model.configure_model()
     if meta:
         seeded_init(model, seed)
     opt = model.configure_optimizers()
-    data = lightning_batches(global_batch, data_parallel)
+    data = lightning_batches(global_batch, data_parallel, dataset(counted))
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        for _ in range(accumulate):
-            x, y = next(data)
-            loss = model.pipeline_loss(model(x), y)
+        batches = [next(data) for _ in range(accumulate)]
+        items = sum(int((y != -100).sum()) for _, y in batches) if counted else None
+        for x, y in batches:
+            value = model.pipeline_loss(model(x), y)
+            loss = mean_loss(value)
             if len(losses) not in skip_batches:
-                (loss / accumulate).backward()
+                (value[0] / items if counted else loss / accumulate).backward()
             losses.append(loss.item())
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -14,7 +14,8 @@ layer before the head; records every step's copies), trace (record FSDP all-gath
 precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s
 (that local rank sleeps before its process group exists), meta (true: built on the meta device by
 trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
-(StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer).
+(StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer), counted
+(about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)).
 Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
 gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
 "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -183,7 +184,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     # plugin: init_module would build a bf16-true model in bf16, drawing other initial weights)
     with trainer.init_module(empty_init=True) if cfg.get("meta") is True else contextlib.nullcontext():
         model = kinds.get(cfg.get("meta"), StackNet)(opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False),
-                                                      counter=cfg.get("counter", False))
+                                                      counter=cfg.get("counter", False),
+                                                      counted=cfg.get("counted", False))
     dp = devices // cfg.get("pp", 1)
     per_replica = cfg.get("batch", 16) // dp
     evaluated = {}
@@ -192,7 +194,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         evaluated["val_loss"] = trainer.validate(model, loader(per_replica), ckpt_path=cfg["eval_ckpt"],
                                                  verbose=False)[0]["val_loss"]
     else:
-        trainer.fit(model, train_dataloaders=loader(per_replica), val_dataloaders=loader(per_replica),
+        counted = cfg.get("counted", False)  # about 40 % of the targets ignored, the loss counting the others
+        trainer.fit(model, train_dataloaders=loader(per_replica, counted), val_dataloaders=loader(per_replica, counted),
                     ckpt_path=cfg.get("resume"))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])

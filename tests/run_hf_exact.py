@@ -6,7 +6,8 @@ Config keys: family (gpt2|llama|qwen2|mistral|gemma3: Mistral's layers attend wi
 sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding and soft-caps its
 logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor
 parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global), precision, ac
-(activation_checkpointing), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
+(activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
+(accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
 CausalLM.from_pretrained, built on the meta device).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
 [names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent}.
@@ -68,14 +69,23 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
     return transformers.LlamaForCausalLM(cfg)
 
 
-def dataset() -> TensorDataset:
-    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(7))
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])  # (input_ids, next tokens)
+def dataset(ignored: bool = False) -> TensorDataset:
+    """(input_ids, next tokens); `ignored`: each row's prompt and padding, of random lengths, have -100 targets (not
+    counted by the loss), as fine-tuning data has, so rows and micro-batches count different numbers of targets."""
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=g)
+    targets = tokens[:, 1:].clone()
+    if ignored:
+        prompt = torch.randint(0, SEQ // 2, (SAMPLES, 1), generator=g)
+        padding = torch.randint(0, SEQ // 4, (SAMPLES, 1), generator=g)
+        position = torch.arange(SEQ)
+        targets[(position < prompt) | (position >= SEQ - padding)] = -100
+    return TensorDataset(tokens[:, :-1], targets)
 
 
-def lightning_batches(global_batch: int, data_parallel: int):
+def lightning_batches(global_batch: int, data_parallel: int, ignored: bool = False):
     """The global batches Lightning's training sampler (shuffled, seed 0) yields, replicas concatenated."""
-    return exact_model.lightning_batches(global_batch, data_parallel, dataset())
+    return exact_model.lightning_batches(global_batch, data_parallel, dataset(ignored))
 
 
 def sgd(params):
@@ -103,10 +113,11 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
-                      precision=cfg.get("precision", "32-true"), logger=False, enable_checkpointing=False,
+                      precision=cfg.get("precision", "32-true"), accumulate_grad_batches=cfg.get("accumulate", 1),
+                      logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
     per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1)))
-    trainer.fit(model, DataLoader(dataset(), batch_size=per_replica, drop_last=True))
+    trainer.fit(model, DataLoader(dataset(cfg.get("ignored", False)), batch_size=per_replica, drop_last=True))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()

@@ -2,8 +2,8 @@
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
 Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt
-(sgd|adamw), clip, ac, precision, tied (embedding tied to the head), save_every + save_dir (ModelCheckpoint
-"step=N.ckpt"), resume (ckpt_path).
+(sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt and padding targets of -100),
+accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
 "message_bytes": the largest activation message it sent}.
@@ -40,15 +40,24 @@ def optim_config(opt: str = "sgd") -> OptimConfig:
     return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 1e-3, warmup_steps=0, min_lr_ratio=1.0, eps=1e-6)
 
 
-def dataset() -> TensorDataset:
+def dataset(ignored: bool = False) -> TensorDataset:
+    """(tokens, next tokens); `ignored`: each row's prompt and padding, of random lengths, have -100 targets (not
+    counted by the loss), as fine-tuning data has."""
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (SAMPLES, BLOCK + 1), generator=g)
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    targets = tokens[:, 1:].clone()
+    if ignored:
+        prompt = torch.randint(0, BLOCK // 2, (SAMPLES, 1), generator=g)
+        padding = torch.randint(0, 3, (SAMPLES, 1), generator=g)
+        position = torch.arange(BLOCK)
+        targets[(position < prompt) | (position >= BLOCK - padding)] = -100
+    return TensorDataset(tokens[:, :-1], targets)
 
 
-def lightning_batches(global_batch: int, data_parallel: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def lightning_batches(global_batch: int, data_parallel: int,
+                      ignored: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches Lightning's training sampler (shuffled, seed 0) yields over `data_parallel` replicas."""
-    ds = dataset()
+    ds = dataset(ignored)
     per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=True, seed=0))
                 for r in range(data_parallel)]
     b = global_batch // data_parallel
@@ -82,11 +91,13 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
         precision=cfg.get("precision", "32-true"), gradient_clip_val=cfg.get("clip"), logger=False,
+        accumulate_grad_batches=cfg.get("accumulate", 1),
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=callbacks,
     )
     dp = devices // (pp * tp)
-    loader = DataLoader(dataset(), batch_size=cfg.get("batch", 8) // dp, shuffle=False, drop_last=True)
+    loader = DataLoader(dataset(cfg.get("ignored", False)), batch_size=cfg.get("batch", 8) // dp, shuffle=False,
+                        drop_last=True)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
     named = list(model.named_parameters())
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}

@@ -44,6 +44,12 @@ WORLD4 = [
     {"pp": 4, "loops": 2, "m": 4, "schedule": "breadth_first_zb"},
     {"pp": 4, "loops": 1, "m": 4, "schedule": "breadth_first_zb"},
     {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "tied": True, "clip": 0.05, "trace": True},
+    # ignored targets (-100), the loss counting the others: the mean over the global batch's counted targets, over
+    # data-parallel replicas, accumulated batches (with clipping), 1F1B and replicated weights
+    {"pp": 2, "loops": 2, "m": 2, "counted": True},
+    {"pp": 2, "loops": 2, "m": 2, "counted": True, "accumulate": 2, "clip": 0.05},
+    {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "counted": True},
+    {"pp": 2, "loops": 2, "m": 2, "counted": True, "sharding": "none", "tied": True},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -64,6 +70,12 @@ WORLD2 = [
     # zero-bubble breadth-first: activation checkpointing recomputes each layer in both backward passes
     {"pp": 2, "loops": 2, "m": 4, "schedule": "breadth_first_zb", "ac": True, "groups": 2},
     {"pp": 2, "loops": 1, "m": 2, "schedule": "breadth_first_zb", "sharding": "none"},
+    # ignored targets, the loss counting the others: pp=2 x loops=2 x m=4, zero bubble, groups with accumulation,
+    # data parallel alone
+    {"pp": 2, "loops": 2, "m": 4, "counted": True},
+    {"pp": 2, "loops": 2, "m": 4, "schedule": "breadth_first_zb", "counted": True},
+    {"pp": 2, "loops": 2, "m": 4, "groups": 2, "counted": True, "accumulate": 2},
+    {"pp": 1, "loops": 1, "m": 4, "counted": True},
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -93,7 +105,8 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
     dp = devices // pp
     ref_params, ref_losses = reference(STEPS, cfg.get("batch", BATCH), dp, cfg.get("accumulate", 1), cfg.get("clip"),
                                        opt=cfg.get("opt", "sgd"), tied=cfg.get("tied", False),
-                                       counter=cfg.get("counter", False), meta=cfg.get("meta", False))
+                                       counter=cfg.get("counter", False), meta=cfg.get("meta", False),
+                                       counted=cfg.get("counted", False))
     ref_params = {n: t for n, t in ref_params.items() if not n.startswith("counters.")}  # buffers: test_layer_state
     # each parameter lives on exactly one pipeline rank (rank = pp_index * dp + dp_index)
     owners: dict[str, set[int]] = {}
@@ -257,3 +270,20 @@ def test_tied_copies_stay_bit_identical(runs, devices, cfg):
     assert all(len(c) == STEPS for c in copies)
     for step in range(STEPS):
         assert all(torch.equal(c[step], copies[0][step]) for c in copies), step
+
+
+def test_counted_configs_count_different_numbers_of_targets_per_micro_batch():
+    """The counted configs test the loss rule only if micro-batches count different numbers of targets: with a mean
+    per micro-batch, the reference's gradient would differ (checked here on the first batch of pp=2 x loops=2 x m=4)."""
+    import torch.nn.functional as F
+    from exact_model import StackNet, dataset, lightning_batches
+
+    x, y = next(lightning_batches(BATCH, 1, dataset(ignored=True)))
+    counts = [int((part != -100).sum()) for part in y.chunk(4)]
+    assert len(set(counts)) > 1, counts
+    torch.manual_seed(0)
+    model = StackNet(counted=True)
+    out = model(x)
+    pooled = F.cross_entropy(out, y, ignore_index=-100)  # one process: every counted target weighs the same
+    per_micro_batch = torch.stack([F.cross_entropy(o, t, ignore_index=-100) for o, t in zip(out.chunk(4), y.chunk(4))])
+    assert abs(pooled.item() - per_micro_batch.mean().item()) > 1e-3

@@ -25,13 +25,18 @@ CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": T
            {"family": "gpt2", "attn": "eager"}]
 # saved with save_pretrained (Llama in several shards, Qwen2 tied), loaded with CausalLM.from_pretrained per stage
 PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True}]
-RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED], 4: [*CONFIGS, *PRETRAINED]}  # devices 2: dp 1; 4: dp 2
+# fine-tuning data: prompt and padding targets of -100, the loss counting the others (the mean over the global batch's
+# counted targets): pp=2 x loops=2 x m=4 at dp 2 (one row per micro-batch), with accumulate_grad_batches=2, and at dp 1
+COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ignored": True, "accumulate": 2}]
+RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0]],  # devices 2: dp 1; 4: dp 2
+        4: [*CONFIGS, *PRETRAINED, *COUNTED]}
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
 # heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
 # sequence parallel ("sp") too. Two launches: the first in `make test`, the second (slow) in CI.
 TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp=2 on 8 processes
     "sp": (4, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True},
-               {"family": "qwen2", "tp": 2, "kv_heads": 2, "sp": True}]),
+               {"family": "qwen2", "tp": 2, "kv_heads": 2, "sp": True},
+               {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "ignored": True}]),
     "slow": (4, [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
                  {"family": "mistral", "tp": 2, "kv_heads": 2},
                  {"family": "mistral", "tp": 2, "kv_heads": 2, "sp": True},
@@ -55,22 +60,25 @@ def saved_model(out, family: str):
 
 
 def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa", pretrained=None,
-              kv_heads: int = 1):
-    """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained), its own forward, the same
-    cross-entropy, SGD on Lightning's data order."""
+              kv_heads: int = 1, ignored: bool = False, accumulate: int = 1):
+    """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained), its own forward, SGD on
+    Lightning's data order; each step trains the mean cross-entropy over the counted targets (not -100) of all its
+    `accumulate` batches, as one process on the whole batch (each batch's own mean recorded as its loss)."""
     model = hf_model(family, tie, attn, kv_heads=kv_heads)
     if pretrained is not None:
         model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data = lightning_batches(BATCH, data_parallel)
+    data = lightning_batches(BATCH, data_parallel, ignored)
     losses = []
     for _ in range(STEPS):
-        x, y = next(data)
-        loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+        batches = [next(data) for _ in range(accumulate)]
+        items = sum(int((y != -100).sum()) for _, y in batches)
         opt.zero_grad()
-        loss.backward()
+        for x, y in batches:
+            total = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+            (total / items).backward()
+            losses.append(total.item() / int((y != -100).sum()))
         opt.step()
-        losses.append(loss.item())
     return model, losses
 
 
@@ -113,7 +121,8 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     cfg = RUNS[devices][index]
     launch = runs(devices)
     pretrained = saved_model(launch.out, cfg["family"]) if cfg.get("pretrained") else None
-    model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"), pretrained)
+    model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"), pretrained,
+                              ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1))
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
     for rank in launch[index]:
@@ -158,7 +167,7 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, inde
     devices, configs = TP_LAUNCHES[name]
     cfg, dp = configs[index], devices // 4  # pp=2 x tp=2
     records = tp_runs(name)[index]
-    model, losses = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"])
+    model, losses = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"], ignored=cfg.get("ignored", False))
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
     for rank in records:

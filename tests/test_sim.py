@@ -7,6 +7,7 @@ import torch
 from gpt import GPT, GPTConfig
 from torch.distributed.pipelining._backward import stage_backward_input
 
+from lightning_bfpp import mean_loss
 from lightning_bfpp.layout.auto import measure_layers
 from lightning_bfpp.schedule import ScheduleError, ScheduleSpec, build_schedule
 from lightning_bfpp.sim import (
@@ -391,7 +392,8 @@ def test_weight_pass_bytes_are_what_torchs_split_backward_keeps():
     x = torch.randn(b, cfg.block_size, cfg.n_embd, requires_grad=True)
     target = torch.randint(0, cfg.vocab_size, (b, cfg.block_size))
     kept_block = _kept_for_weight_pass(block, block.parameters(), x, torch.randn_like)
-    kept_head = _kept_for_weight_pass(lambda z: gpt.pipeline_loss(head(z), target), head.parameters(), x)  # its loss
+    kept_head = _kept_for_weight_pass(lambda z: mean_loss(gpt.pipeline_loss(head(z), target)),  # its loss
+                                      head.parameters(), x)
     assert kept_block == 11 * b * cfg.block_size * cfg.n_embd * 4  # q, k, v, proj, fc (4h), fc2, two norms
     analytic = Model(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size).layer_weight_grad_bytes(b)
     assert [2 * a for a in analytic[1:]] == [kept_block, kept_block, kept_head]

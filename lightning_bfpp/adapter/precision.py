@@ -19,10 +19,22 @@ class PipelinePrecision(Precision):
       over all pipeline and data-parallel ranks (``runtime.reduce.clip_grad_norm_global``).
     - ``forward_context``: none when the stages' FSDP2 MixedPrecisionPolicy already computes in bf16
       (`fsdp_mixed`, "bf16-mixed" with sharded stages); the plugin's own (autocast) otherwise.
+    - ``optimizer_step``: `finish_gradients(optimizer)` runs right after the closure (the last backward before the
+      step), before ``on_before_optimizer_step`` and clipping see the gradients (the loss rule, ``adapter.training``).
     """
 
     clip_norm: ClipNorm | None = None
     fsdp_mixed: bool = False
+    finish_gradients: Callable[[Any], None] | None = None
+
+    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        def closure_then_finish() -> Any:
+            result = closure()
+            if self.finish_gradients is not None:
+                self.finish_gradients(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, model, closure_then_finish, **kwargs)
 
     def forward_context(self) -> AbstractContextManager:
         return nullcontext() if self.fsdp_mixed else super().forward_context()
@@ -35,7 +47,8 @@ class PipelinePrecision(Precision):
 _SUBCLASSES: dict[type, type] = {Precision: PipelinePrecision}
 
 
-def pipeline_precision(plugin: Precision, clip_norm: ClipNorm, fsdp_mixed: bool) -> PipelinePrecision:
+def pipeline_precision(plugin: Precision, clip_norm: ClipNorm, fsdp_mixed: bool,
+                       finish_gradients: Callable[[Any], None] | None = None) -> PipelinePrecision:
     """`plugin` (its state, e.g. the precision string and device) as a `PipelinePrecision`: a new instance of
     ``Pipeline<PluginClass>`` (one subclass per plugin class); a plugin that already is one is updated."""
     if not isinstance(plugin, PipelinePrecision):
@@ -46,5 +59,5 @@ def pipeline_precision(plugin: Precision, clip_norm: ClipNorm, fsdp_mixed: bool)
         copy = sub.__new__(sub)
         copy.__dict__.update(vars(plugin))
         plugin = copy
-    plugin.clip_norm, plugin.fsdp_mixed = clip_norm, fsdp_mixed
+    plugin.clip_norm, plugin.fsdp_mixed, plugin.finish_gradients = clip_norm, fsdp_mixed, finish_gradients
     return plugin

@@ -1,7 +1,14 @@
 """The training step of a pipelined module under Lightning's automatic optimization: the schedule runs forward and
 backward inside ``training_step``; its gradients are made whole (tied copies summed, tensor-parallel layouts) and
 parked until Lightning's ``backward``; the loss is shared to every rank, logged and checked for NaN; the step is
-measured when asked (``measure_every_n_steps``)."""
+measured when asked (``measure_every_n_steps``).
+
+The loss rule: a ``pipeline_loss`` returning ``(loss_sum, num_items)`` trains the mean over every counted item of the
+global batch, as one process on that batch. torch's runtime divides the gradients by the micro-batches (m) and data
+parallel averages them over the replicas (dp): each batch's gradients are handed over times m x dp (the gradient of
+the batch's loss sums), and before the optimizer step (``before_optimizer_step``) divided by the items counted over
+every batch since the last step (Lightning's ``accumulate_grad_batches``). A plain mean loss keeps torch's and
+Lightning's averaging (over micro-batches, replicas and accumulated batches)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,7 +22,7 @@ from ..contract.hooks import training_batch
 from ..layout.tensor_parallel import grads_like_params
 from ..runtime.measure import check_every_n_steps, measure_now, step_stats
 from ..runtime.pipeline import PipelineRunner, batch_rows
-from ..runtime.reduce import share_from_ranks
+from ..runtime.reduce import share_loss
 from ..schedule.dims import ParallelDims
 from .handover import GradHandover
 from .nonfinite import NonfiniteLoss
@@ -31,6 +38,9 @@ class TrainingStep:
         self.handover = GradHandover()  # gradients from the schedule in training_step, handed over in backward
         self.step_stats: dict[str, Any] = {}  # of the last measured step
         self.measured_step = False  # whether the last training step was measured
+        self.counted = False  # whether the last batch's loss counted its items (a (loss_sum, num_items) loss)
+        self.sum_scale = 1.0  # counted items: what makes the parked gradients those of the batch's loss sums
+        self.window_items: float | None = None  # counted items: those of the batches handed over since the last step
 
     def run(self, module: LightningModule, runner: PipelineRunner, batch: Any, batch_idx: int | None, *,
             dims: ParallelDims, device: torch.device, tied: Any, optimizers: list,
@@ -52,7 +62,9 @@ class TrainingStep:
                 tied.sum_gradients()
             if dims.tensor_parallel > 1:
                 grads_like_params(params)
-        loss = share_from_ranks(loss, dims.data_parallel * dims.tensor_parallel, device)  # from the last-stage ranks
+        loss, items = share_loss(loss, dims, device)  # from the last-stage ranks
+        self.counted = items is not None
+        self.sum_scale = float(runner.spec.micro_batches * dims.data_parallel)
         if measure:
             self.step_stats = step_stats(runner, params, self.handover.grads(), optimizers, device)
         module.log("train_loss", loss, prog_bar=True, batch_size=batch_rows(inputs))
@@ -62,8 +74,22 @@ class TrainingStep:
         # the shared loss: on a NaN/inf every rank takes this branch together, before the optimizer step
         if not self.nonfinite.keep(loss, module, batch_idx):
             self.handover.drop()  # backward hands nothing over; parameters without gradients are not stepped
+        elif items is not None:
+            self.window_items = (self.window_items or 0.0) + items
         return loss  # (even a skipped step's: Lightning refuses a None step output in distributed runs)
 
     def hand_over(self, accumulate_grad_batches: int) -> None:
-        """In Lightning's ``backward``: the parked gradients, divided as Lightning divides an accumulated loss."""
-        self.handover.hand_over(1.0 / accumulate_grad_batches)
+        """In Lightning's ``backward``: the parked gradients, divided as Lightning divides an accumulated loss (a
+        mean loss), or as the gradients of the batch's loss sums (counted items)."""
+        self.handover.hand_over(self.sum_scale if self.counted else 1.0 / accumulate_grad_batches)
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the last backward before an optimizer step (before clipping and ``on_before_optimizer_step``): with
+        counted items, the gradients of the loss sums divided by the items counted since the last step."""
+        if self.window_items is None:
+            return
+        scale, self.window_items = 1.0 / max(self.window_items, 1.0), None
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)

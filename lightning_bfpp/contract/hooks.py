@@ -11,6 +11,27 @@ from torch import nn
 
 from .layer_io import LayerCall, compute_side_inputs, describe_structure, no_side_inputs, side_inputs_of
 
+LossValue = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
+
+
+def loss_parts(value: LossValue) -> tuple[torch.Tensor, torch.Tensor | int | None]:
+    """(loss, num_items) of a ``pipeline_loss`` result: ``(loss_sum, num_items)`` as it is; a plain loss (a mean) with
+    None."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2 or not isinstance(value[0], torch.Tensor):
+            raise TypeError(f"pipeline_loss returned {describe_structure(value)}: return a scalar loss (a mean), or "
+                            "(loss_sum, num_items): the sum of the counted items' losses and how many there are.")
+        return value[0], value[1]
+    return value, None
+
+
+def mean_loss(value: LossValue) -> torch.Tensor:
+    """A ``pipeline_loss`` result as one process's mean over its batch: ``loss_sum / num_items`` for a
+    ``(loss_sum, num_items)`` pair, a plain loss as it is. For steps that run the model whole (a ``training_step``
+    under ``strategy="auto"``, a ``validation_step``)."""
+    loss, items = loss_parts(value)
+    return loss if items is None else loss / items
+
 
 class PipelineHooks:
     """Mixin describing how bfpp cuts a LightningModule into pipeline stages.
@@ -19,8 +40,13 @@ class PipelineHooks:
         ``pipeline_layers()``: the model as an ordered list of submodules of ``self``; layer ``i``'s
         output (a tensor or tuple of tensors) is layer ``i+1``'s input. Stages are contiguous runs of
         layers, so parameter names stay the model's own (``blocks.3.attn.weight`` everywhere).
-        ``pipeline_loss(output, target)``: the loss of one micro-batch from the last layer's output
-        (mean-reduced, like ``F.cross_entropy``).
+        ``pipeline_loss(output, target)``: the loss of one micro-batch from the last layer's output, in one of two
+        forms. ``(loss_sum, num_items)``: the sum of the losses of the items the loss counts (e.g. the targets that
+        are not ignored, -100) and how many there are; bfpp then trains the mean over every counted item of the
+        whole global batch (all micro-batches, data-parallel replicas and accumulated batches), as one process does
+        on that batch, and logs that mean as ``train_loss``. A plain scalar: a mean per micro-batch (like
+        ``F.cross_entropy``), averaged over micro-batches and replicas; the same as one process only when every
+        micro-batch counts the same number of items. ``mean_loss`` turns either form into the one-process mean.
 
     Optional:
         ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``, ``(x,)`` or the

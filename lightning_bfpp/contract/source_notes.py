@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from .hooks import describe_contract
@@ -108,3 +109,11 @@ def contract_notes(module: nn.Module, pipeline_parallel: int, micro_batches: int
     warnings = (rank_zero_work_on_last_stage(module, pipeline_parallel), forward_not_the_pipeline(module),
                 *not_run_as_written(module, micro_batches))
     return describe_contract(module), [w for w in warnings if w is not None]
+
+
+def announce_contract(module: nn.Module, pipeline_parallel: int, micro_batches: int) -> None:
+    """Say `contract_notes` once, on global rank 0: the contract line as information, the rest as warnings."""
+    line, warnings = contract_notes(module, pipeline_parallel, micro_batches)
+    rank_zero_info(line)
+    for warning in warnings:
+        rank_zero_warn(warning)

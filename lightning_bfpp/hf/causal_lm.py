@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from ..contract.hooks import PipelineHooks
+from ..contract.hooks import PipelineHooks, mean_loss
 from ..layout.materialize import has_meta_tensors, seeded_init
 from .checks import check_layers_reproduce, check_meta_buffers
 from .layers import causal_lm_layers
@@ -134,21 +134,25 @@ class CausalLM(PipelineHooks, LightningModule):
         it to split a model otherwise."""
         return hf_layer_plan(self.hf_model, layer, tensor_parallel, sequence_parallel)
 
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy, counted targets): targets of -100 are ignored, and bfpp trains the mean over the
+        global batch's counted targets, as one process on that batch (``mean_loss`` gives a batch's mean)."""
+        targets = targets.flatten()
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+        return loss, (targets != -100).sum()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.pipeline_forward(input_ids)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, targets = batch
-        loss = self.pipeline_loss(self(input_ids), targets)
+        loss = mean_loss(self.pipeline_loss(self(input_ids), targets))
         self.log("train_loss", loss, sync_dist=True)  # the global batch's mean, as bfpp logs it
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, targets = batch
-        self.log("val_loss", self.pipeline_loss(self(input_ids), targets), sync_dist=True)
+        self.log("val_loss", mean_loss(self.pipeline_loss(self(input_ids), targets)), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The logits of a batch of input ids, or of (input_ids, targets) pairs (under every strategy)."""

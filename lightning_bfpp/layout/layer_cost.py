@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._private.lightning_api import train_data_source
+from ..contract.hooks import loss_parts
 from ..contract.layer_io import side_inputs_of
 from ..schedule.stage_cut import balanced_stage_layers
 from .names import describe_layers
@@ -83,7 +84,7 @@ def measure_layer_times(
                 start = time.perf_counter()
                 y = stages[i](*args, **kwargs)
                 if i == n - 1 and target is not None:
-                    loss_fn(y, target).backward()
+                    loss_parts(loss_fn(y, target))[0].backward()
                 else:
                     outs = [t for t in _tensors(y) if t.requires_grad]
                     torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])

@@ -4,7 +4,7 @@ one set of rules in ``schedule.dims``; the training schedule built for it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from ..contract.hooks import built_in_configure_model
@@ -13,6 +13,7 @@ from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
 from .cut import check_stage_layers, plan_stages
+from .layer_cost import auto_stage_layers
 from .materialize import has_meta_tensors
 from .tensor_parallel import layer_plans
 
@@ -52,6 +53,7 @@ class LayoutPlan:
         self.default_layout = pipeline_parallel is None and self.auto_layout is None
         self.requested_micro_batches = micro_batches
         self.announced = False
+        self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         pp = 1 if pipeline_parallel is None else pipeline_parallel
         m = micro_batches if micro_batches is not None else 1 if self.auto_layout else pp
         spec = ScheduleSpec(_given(schedule, "breadth_first"), pipeline_parallel=pp, loops=_given(loops, 1),
@@ -145,9 +147,19 @@ class LayoutPlan:
         self.set_world(world, devices_per_node, len(layers))
         return line
 
-    def checkpoint_meta(self, stage_layer_names: list[list[str]], stage_times_s: list[float]) -> dict[str, Any]:
+    def stage_cut(self, module: Any, layers: list, device: Any, say: Callable[[str], Any]) -> Sequence[int] | None:
+        """The layers per stage to cut: as given, None (balanced by parameter count), or for stage_layers="auto" cut
+        by every layer's time measured now on `device` (kept in `stage_times_s`; the line describing it to `say`)."""
+        if self.stage_layers != "auto":
+            return self.stage_layers
+        stage_layers, self.stage_times_s, line = auto_stage_layers(module, layers, self.spec.num_stages,
+                                                                   self.spec.micro_batches, device)
+        say(line)
+        return stage_layers
+
+    def checkpoint_meta(self, stage_layer_names: list[list[str]]) -> dict[str, Any]:
         """The layout a checkpoint was written with (its ``bfpp`` entry: informative; checkpoints load into any)."""
         spec = self.spec
         return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "loops": spec.loops,
                 "data_parallel": self.dims.data_parallel, "tensor_parallel": self.dims.tensor_parallel,
-                "stage_layers": stage_layer_names, "stage_times_s": stage_times_s}
+                "stage_layers": stage_layer_names, "stage_times_s": self.stage_times_s}

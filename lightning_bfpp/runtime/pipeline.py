@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._private.pipelining import build_runtime
+from ..contract.hooks import loss_parts
 from ..contract.layer_io import BOUNDARY_RULE
 from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
@@ -34,6 +36,44 @@ def _detach(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
     return type(value)(_detach(v) for v in value) if isinstance(value, (tuple, list)) else value
+
+
+IGNORED = -100  # the target value PyTorch's and Hugging Face's losses ignore
+MEAN_WITH_IGNORED = (
+    "bfpp: pipeline_loss returned a mean and its targets hold ignored values (-100): each micro-batch's mean is "
+    "averaged, so a target in a micro-batch with few counted targets weighs more than in one process. Return "
+    "(loss_sum, num_items) from pipeline_loss (e.g. F.cross_entropy(..., reduction='sum'), (target != -100).sum()) "
+    "to train the mean over the global batch's counted targets (docs/adapting.md, the loss).")
+
+
+class StepLoss(NamedTuple):
+    """A training step's loss on a rank holding the last stage: the micro-batches' mean loss (`items` None), or, for
+    a ``pipeline_loss`` that returns ``(loss_sum, num_items)``, the sum of the losses and of the counted items."""
+
+    value: torch.Tensor
+    items: torch.Tensor | None
+
+
+class CountedLoss:
+    """The user's ``pipeline_loss`` as torch's runtime calls it: of a ``(loss_sum, num_items)`` pair it returns the sum
+    (what backward differentiates) and records the count by the returned tensor (`items`: torch's runtime also calls
+    the loss once to infer the backward's shapes, a call whose tensor is not among the step's losses); a plain loss
+    passes through."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Any]) -> None:
+        self.loss_fn = loss_fn
+        self.items: dict[int, torch.Tensor] = {}  # id(returned loss) -> its counted items
+        self.checked = False  # the first micro-batch of a mean loss is looked at for ignored targets, once
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        loss, items = loss_parts(self.loss_fn(output, target))
+        if items is not None:
+            self.items[id(loss)] = torch.as_tensor(items, device=loss.device).detach().reshape(())
+        elif not self.checked:
+            self.checked = True
+            if isinstance(target, torch.Tensor) and not target.is_floating_point() and bool((target == IGNORED).any()):
+                warnings.warn(MEAN_WITH_IGNORED, stacklevel=2)
+        return loss
 
 
 def batch_rows(inputs: Any) -> int:
@@ -64,7 +104,7 @@ class PipelineRunner:
         self.modules = modules
         self.device = device
         self.pp_group = pp_group
-        self.loss_fn = loss_fn
+        self.loss_fn = CountedLoss(loss_fn)
         self.replicate_group = replicate_group  # data-parallel group when grads are all-reduced, not sharded
         # replicated stages: each stage's gradients all-reduced (bucketed, async) from its REDUCE_GRAD action on
         self.grad_sync = BucketedAllReduce(replicate_group) if replicate_group is not None else None
@@ -134,6 +174,7 @@ class PipelineRunner:
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []
+        self.loss_fn.items.clear()
         self.timeline.events.clear()
         start = self.timeline.clock() if self.timeline.enabled else None  # (a CUDA event: no sync unmeasured)
         # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
@@ -153,10 +194,10 @@ class PipelineRunner:
         return out, losses
 
     def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False,
-                   measure: bool = True) -> tuple[torch.Tensor | None, Any]:
+                   measure: bool = True) -> tuple[StepLoss | None, Any]:
         """Forward and backward of all micro-batches; leaves reduced, 1/m-scaled grads in `.grad`.
 
-        Returns the mean micro-batch loss on the rank holding the last stage (else None) and, with
+        Returns the step's loss on the rank holding the last stage (else None; see `StepLoss`) and, with
         `keep_outputs`, the last stage's outputs of all micro-batches concatenated (detached; else None).
         `measure`: record this step's compute timeline (`last_stats`) and saved-activation peak (`meter.peak`);
         off, neither the timing wrappers nor the saved-tensor hook do any work.
@@ -167,7 +208,13 @@ class PipelineRunner:
             out, losses = self._run("train", inputs, target, keep_outputs)
         if self.grad_sync is not None:
             self.grad_sync.wait()
-        loss = torch.stack([micro.detach() for micro in losses]).mean() if losses else None
+        loss = None
+        if losses:
+            values = torch.stack([value.detach() for value in losses])
+            items = [self.loss_fn.items[id(value)] for value in losses if id(value) in self.loss_fn.items]
+            # float64: a sum of sums (large where many items count) keeps the precision of its parts
+            loss = StepLoss(values.double().sum(), torch.stack(items).sum()) if items else StepLoss(values.mean(), None)
+        self.loss_fn.items.clear()
         return loss, _detach(out) if keep_outputs else None
 
     def predict_step(self, inputs: Any) -> Any:

@@ -3,6 +3,7 @@ and gradient clipping by the whole model's norm (pipeline, data-parallel and ten
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout.mesh import local_tensor
 from ..layout.tensor_parallel import sum_over_tp, tp_sharded
-from ..schedule.dims import DP, PP, TP
+from ..schedule.dims import DP, PP, TP, ParallelDims
+from .pipeline import StepLoss
 
 
 def clip_grad_norm_global(
@@ -59,21 +61,30 @@ def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def share_from_ranks(value: torch.Tensor | None, divide_by: int, device: torch.device) -> torch.Tensor:
-    """All-reduce (sum) a scalar that only some ranks have (others contribute 0), divided by `divide_by`.
-
-    Used for the loss: only last-stage ranks hold it, one per data-parallel replica.
-    """
-    t = torch.zeros((), dtype=torch.float64, device=device) if value is None else value.detach().double().reshape(())
+def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device) -> tuple[torch.Tensor, float | None]:
+    """A training step's loss on every rank, from the ranks holding the last stage (one per replica and
+    tensor-parallel rank; the others pass None): (the mean micro-batch loss averaged over replicas, None), or for
+    counted items (``StepLoss.items``) (the mean over every counted item of the global batch, their number; 0 when
+    none counts). One all-reduce over the world."""
+    t = torch.zeros(3, dtype=torch.float64, device=device)
+    if loss is not None:
+        t[0] = loss.value.detach().double()
+        if loss.items is not None:
+            t[1], t[2] = loss.items.double(), 1.0
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
-    return (t / divide_by).float()
+    total, items, counted = (t / dims.tensor_parallel).tolist()  # each tp rank holds the same loss
+    if not counted:
+        return (t[0] / (dims.data_parallel * dims.tensor_parallel)).float(), None
+    return (t[0] / dims.tensor_parallel / max(items, 1.0)).float(), items
 
 
-def clip_grad_norm_on_mesh(params: Iterable[nn.Parameter], max_norm: float, mesh: DeviceMesh, sharded: bool,
-                           not_counted: Collection[int] = ()) -> torch.Tensor:
+def clip_grad_norm_on_mesh(params: Iterable[nn.Parameter], max_norm: float, *, mesh: DeviceMesh, sharded: bool,
+                           tied: Any = None) -> torch.Tensor:
     """`clip_grad_norm_global` over the (pp, dp[, tp]) `mesh`: the pipeline group, the data-parallel group when the
-    gradients are `sharded`, the tensor-parallel group when the mesh has one."""
+    gradients are `sharded`, the tensor-parallel group when the mesh has one; the copies of a weight shared across
+    stages (``layout.tied.TiedWeights`` `tied`) count once."""
+    not_counted = tied.not_counted() if tied is not None else set()
     dp_group = mesh[DP].get_group() if sharded else None
     tp_group = mesh[TP].get_group() if TP in (mesh.mesh_dim_names or ()) else None
     return clip_grad_norm_global(params, max_norm, mesh[PP].get_group(), dp_group, not_counted, tp_group)

@@ -62,6 +62,15 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                                        max_position_embeddings=SEQ, tie_word_embeddings=True if tie is None else tie,
                                        attn_implementation=attn)
         return transformers.Qwen2ForCausalLM(cfg)
+    if family in ("mixtral", "qwen3_moe"):  # mixtures of 4 experts, 2 per token, with the router loss on
+        common = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=WIDTH, num_attention_heads=2,
+                      num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5,
+                      tie_word_embeddings=bool(tie), attn_implementation=attn)
+        if family == "mixtral":
+            return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=WIDTH,
+                                                                            head_dim=16, **common))
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
                                    num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
                                    max_position_embeddings=SEQ, tie_word_embeddings=False if tie is None else tie,
@@ -95,9 +104,12 @@ def sgd(params):
 class Losses(Callback):
     def __init__(self):
         self.losses: list[float] = []
+        self.aux_losses: list[float] = []  # a mixture of experts' router loss (train_aux_loss)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "train_aux_loss" in trainer.callback_metrics:
+            self.aux_losses.append(float(trainer.callback_metrics["train_aux_loss"]))
 
 
 def run(cfg: dict, devices: int, out: Path) -> None:
@@ -124,7 +136,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
               for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
-    torch.save({"params": params, "losses": record.losses, "tp_split": split,
+    torch.save({"params": params, "losses": record.losses, "aux_losses": record.aux_losses, "tp_split": split,
                 "message_bytes": strategy.runner.message_bytes}, out / f"rank{trainer.global_rank}.pt")
 
 

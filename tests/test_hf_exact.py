@@ -28,8 +28,10 @@ PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pret
 # fine-tuning data: prompt and padding targets of -100, the loss counting the others (the mean over the global batch's
 # counted targets): pp=2 x loops=2 x m=4 at dp 2 (one row per micro-batch), with accumulate_grad_batches=2, and at dp 1
 COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ignored": True, "accumulate": 2}]
-RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0]],  # devices 2: dp 1; 4: dp 2
-        4: [*CONFIGS, *PRETRAINED, *COUNTED]}
+# mixtures of experts with their router loss (output_router_logits=True): the whole step's routing statistics
+ROUTED = [{"family": "mixtral", "m": 4}, {"family": "qwen3_moe"}]
+RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0], {"family": "mixtral"}],  # dp 1
+        4: [*CONFIGS, *PRETRAINED, *COUNTED, *ROUTED]}
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
 # heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
 # sequence parallel ("sp") too. Two launches: the first in `make test`, the second (slow) in CI.
@@ -63,23 +65,29 @@ def reference(family: str, data_parallel: int, tie: bool | None = None, attn: st
               kv_heads: int = 1, ignored: bool = False, accumulate: int = 1):
     """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained), its own forward, SGD on
     Lightning's data order; each step trains the mean cross-entropy over the counted targets (not -100) of all its
-    `accumulate` batches, as one process on the whole batch (each batch's own mean recorded as its loss)."""
+    `accumulate` batches, as one process on the whole batch (each batch's own mean recorded as its loss). Returns
+    (model, losses, the router loss of each batch for a mixture of experts with output_router_logits=True)."""
     model = hf_model(family, tie, attn, kv_heads=kv_heads)
     if pretrained is not None:
         model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = lightning_batches(BATCH, data_parallel, ignored)
-    losses = []
+    losses, aux_losses = [], []
+    routed = getattr(model.config, "output_router_logits", False)  # + router_aux_loss_coef x aux_loss (the batch's)
     for _ in range(STEPS):
         batches = [next(data) for _ in range(accumulate)]
         items = sum(int((y != -100).sum()) for _, y in batches)
         opt.zero_grad()
         for x, y in batches:
-            total = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-            (total / items).backward()
+            out = model(x, output_router_logits=True) if routed else model(x)
+            total = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
             losses.append(total.item() / int((y != -100).sum()))
+            if routed:
+                total = total + model.router_aux_loss_coef * out.aux_loss * items
+                aux_losses.append(out.aux_loss.item())
+            (total / items).backward()
         opt.step()
-    return model, losses
+    return model, losses, aux_losses
 
 
 def _data_parallel_plan(devices: int, out: Path) -> tuple[int, list[dict]]:
@@ -121,8 +129,9 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     cfg = RUNS[devices][index]
     launch = runs(devices)
     pretrained = saved_model(launch.out, cfg["family"]) if cfg.get("pretrained") else None
-    model, losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"), pretrained,
-                              ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1))
+    model, losses, aux_losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"),
+                                          pretrained, ignored=cfg.get("ignored", False),
+                                          accumulate=cfg.get("accumulate", 1))
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
     for rank in launch[index]:
@@ -132,13 +141,16 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     assert worst <= TOL, f"max |bfpp - one process| = {worst:.3g}"
     last_stage = launch[index][-1]["losses"]  # every rank logs the shared loss
     assert last_stage == pytest.approx(losses, abs=1e-5)
+    assert all(r["aux_losses"] == launch[index][0]["aux_losses"] for r in launch[index])  # every rank logs it
+    assert launch[index][0]["aux_losses"] == pytest.approx(aux_losses, abs=1e-5)
+    assert bool(aux_losses) == (cfg["family"] in ("mixtral", "qwen3_moe"))
 
 
 def test_rotary_model_trains_under_sharded_bf16_mixed(runs):
     """Llama at pp=2 x loops=2 x dp=2, precision="bf16-mixed": each step's loss within 2% of the fp32 model's
     (the rotary cos/sin, side inputs, follow the stage's bf16: fp32 ones would make q and k fp32 beside a bf16 v, and
     sdpa takes one dtype)."""
-    _, losses = reference("llama", 2)
+    _, losses, _ = reference("llama", 2)
     got = runs(4)[len(RUNS[4])][-1]["losses"]
     assert len(got) == len(losses)
     assert all(abs(a - b) <= BF16_REL * abs(b) for a, b in zip(got, losses)), (got, losses)
@@ -150,7 +162,7 @@ def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
     state = torch.load(tmp_path / "gpt2.pt", weights_only=True)["state_dict"]
     model = hf_model("gpt2", seed=1)  # different weights before loading
     model.load_state_dict(state, strict=True)  # no key map
-    trained, _ = reference("gpt2", 2)
+    trained, _, _ = reference("gpt2", 2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied after loading
@@ -167,7 +179,7 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, inde
     devices, configs = TP_LAUNCHES[name]
     cfg, dp = configs[index], devices // 4  # pp=2 x tp=2
     records = tp_runs(name)[index]
-    model, losses = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"], ignored=cfg.get("ignored", False))
+    model, losses, _ = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"], ignored=cfg.get("ignored", False))
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
     for rank in records:
@@ -193,7 +205,7 @@ def test_hf_tensor_and_sequence_parallel_under_bf16_mixed_follow_fp32(tp_runs):
     the fp32 model's."""
     (index,) = [i for i, c in enumerate(TP_LAUNCHES["slow"][1]) if c.get("precision")]
     got = tp_runs("slow")[index][-1]["losses"]
-    _, losses = reference("llama", 1, kv_heads=2)
+    _, losses, _ = reference("llama", 1, kv_heads=2)
     assert len(got) == len(losses) and all(abs(a - b) <= BF16_REL * abs(b) for a, b in zip(got, losses)), (got, losses)
 
 
@@ -202,6 +214,6 @@ def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp
     checkpoint_cli([str(tp_runs("slow").out / "ckpt"), str(tmp_path / "llama.pt")])
     model = hf_model("llama", seed=1, kv_heads=2)
     model.load_state_dict(torch.load(tmp_path / "llama.pt", weights_only=True)["state_dict"], strict=True)
-    trained, _ = reference("llama", 1, kv_heads=2)
+    trained, _, _ = reference("llama", 1, kv_heads=2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)

@@ -125,10 +125,12 @@ def test_the_check_draws_no_random_numbers():
     assert torch.equal(torch.rand(1), after)
 
 
-def test_a_router_loss_that_is_not_trained_is_named():
-    with pytest.warns(UserWarning, match=r"output_router_logits=True, but its router's auxiliary loss is not "
-                                         r"part of pipeline_loss"):
-        CausalLM(build("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
+def test_a_routed_mixture_of_experts_trains_its_router_loss():
+    """output_router_logits=True: the layers carry routing statistics, the head keeps them for the loss (the router
+    loss itself: tests/test_router_loss.py)."""
+    lm = CausalLM(build("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True))
+    assert lm.pipeline_uses_step_totals and type(lm.pipeline_layers()[-1]).__name__ == "RoutedHead"
+    assert not CausalLM(build("mixtral", num_local_experts=2, num_experts_per_tok=1)).pipeline_uses_step_totals
 
 
 def test_predict_step_takes_input_ids_alone_or_pairs():

@@ -14,6 +14,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
 from ..contract.layer_io import buffers_kept
+from ..contract.step_totals import shape_inference
 from ..schedule import Op, Schedule
 from .versions import check_version
 
@@ -69,6 +70,7 @@ def build_runtime(
     ]
     for stage in stages:
         leave_no_trace_of_shape_inference(stage)
+        no_step_totals_from_backward_shape_inference(stage)
         if _SHAPE_INFERENCE == "_shape_inference":
             no_p2p_warmup_to_itself(stage)
     runtime = _torch_schedules._PipelineScheduleRuntime(
@@ -97,6 +99,22 @@ def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:
             return inner(*args, **kwargs)
 
     setattr(stage, _SHAPE_INFERENCE, isolated)
+
+
+def no_step_totals_from_backward_shape_inference(stage: PipelineStage) -> None:
+    """torch 2.13 infers the backward's shapes by calling the loss once more, on the shape-inference forward's
+    output (``_backward_metadata_inference``, private: the only place that call happens): a loss that adds parts to
+    the step's totals (``contract.step_totals``) must not count that call. Public alternative checked: static shapes
+    (``PipelineStage(input_args=..., output_args=...)``) need every stage's output shapes known up front."""
+    inner = getattr(stage, "_backward_metadata_inference", None)
+    if inner is None:
+        return
+
+    def shapes_only(*args, **kwargs):
+        with shape_inference():
+            return inner(*args, **kwargs)
+
+    stage._backward_metadata_inference = shapes_only
 
 
 def no_p2p_warmup_to_itself(stage: PipelineStage) -> None:

@@ -71,6 +71,10 @@ class TrainingStep:
         if callable(train_metrics):
             with torch.no_grad():
                 on_last_stage(lambda: train_metrics(outputs, target))
+        step_logs = getattr(module, "pipeline_step_logs", None)
+        if callable(step_logs):
+            with torch.no_grad():
+                on_last_stage(step_logs)
         # the shared loss: on a NaN/inf every rank takes this branch together, before the optimizer step
         if not self.nonfinite.keep(loss, module, batch_idx):
             self.handover.drop()  # backward hands nothing over; parameters without gradients are not stepped

@@ -60,6 +60,12 @@ class PipelineHooks:
         stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
         with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
         step ends (for a language model: the logits of the whole batch).
+        ``pipeline_step_logs()``: called once per training step, after its backward, on the rank(s) holding the last
+        stage; what it logs with ``self.log`` reaches every rank. For values of the whole step that a loss computes
+        from ``contract.step_totals`` (``CausalLM`` logs its router loss, ``train_aux_loss``).
+        ``pipeline_uses_step_totals`` (an attribute): True for a loss that reads totals of the whole step
+        (``contract.step_totals``); the strategy then refuses, before launch, a schedule that starts a backward before
+        the step's last forward.
         ``pipeline_tp_plan(layer_name, layer, tensor_parallel, sequence_parallel=False)``: needed for
         ``BFPPStrategy(tensor_parallel>1)``; for each layer (``layer_name`` as in stage names), a dict {submodule name
         or ``*`` pattern inside ``layer``, or "" for the layer itself: torch ``ParallelStyle``} applied with

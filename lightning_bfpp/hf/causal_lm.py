@@ -18,12 +18,22 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from ..contract.hooks import PipelineHooks, mean_loss
+from ..contract.router_loss import load_balancing_loss, router_loss
+from ..contract.step_totals import active_step_totals
 from ..layout.materialize import has_meta_tensors, seeded_init
-from .checks import check_layers_reproduce, check_meta_buffers
+from .checks import check_layers_reproduce, check_meta_buffers, check_router_loss
 from .layers import causal_lm_layers
 from .pretrained import HUB_KWARGS, SafetensorsWeights, build_on_meta, local_directory, stored_names
+from .routing import routed_layers, router_coef
 from .side_inputs import causal_lm_side_inputs
 from .tensor_parallel import hf_layer_plan
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy of the targets that are not -100, their number)."""
+    targets = targets.flatten()
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+    return loss, (targets != -100).sum()
 
 
 class CausalLM(PipelineHooks, LightningModule):
@@ -69,17 +79,22 @@ class CausalLM(PipelineHooks, LightningModule):
                                  "yourself.")
             self.add_module(name, child)
         self.__dict__["hf_model"] = model  # unregistered: its modules are registered above, under their own names
-        self.__dict__["_layers"] = causal_lm_layers(model)
+        layers = causal_lm_layers(model)
+        self._router_coef = router_coef(model)  # output_router_logits=True: the router loss is trained (hf.routing)
+        self.__dict__["_layers"] = routed_layers(layers, model) if self._router_coef is not None else layers
+        self.__dict__["_router_totals"] = None  # the last pipeline step's totals (its router statistics)
+        self.pipeline_uses_step_totals = self._router_coef is not None
+        if self._router_coef is not None:
+            self.pipeline_step_logs = self._log_router_loss
         self._optimizer = optimizer
-        if getattr(model.config, "output_router_logits", False):
-            rank_zero_warn(f"CausalLM: {type(model).__name__} has output_router_logits=True, but its router's "
-                           "auxiliary loss is not part of pipeline_loss (only the cross-entropy is trained).")
         check_meta_buffers(model)
         if check and on_meta:
             rank_zero_warn(f"CausalLM: {type(model).__name__} is on the meta device: its layers are not checked "
                            "against its forward.")
         elif check:
             check_layers_reproduce(model, self.pipeline_forward)
+            if self._router_coef is not None:
+                check_router_loss(model, self.pipeline_forward, self._layers[-1])
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike,
@@ -136,23 +151,36 @@ class CausalLM(PipelineHooks, LightningModule):
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed cross-entropy, counted targets): targets of -100 are ignored, and bfpp trains the mean over the
-        global batch's counted targets, as one process on that batch (``mean_loss`` gives a batch's mean)."""
-        targets = targets.flatten()
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
-        return loss, (targets != -100).sum()
+        global batch's counted targets, as one process on that batch (``mean_loss`` gives a batch's mean). With
+        ``output_router_logits=True`` the sum also holds ``router_aux_loss_coef x aux_loss x counted targets``: the
+        mean is the model's own loss (``hf.routing``)."""
+        loss, items = cross_entropy_sum(logits, targets)
+        if self._router_coef is not None:
+            self.__dict__["_router_totals"] = active_step_totals()
+            loss = loss + router_loss(self._layers[-1].last_stats, items, self._router_coef)
+        return loss, items
+
+    def _log_router_loss(self) -> None:
+        """``pipeline_step_logs`` of a routed model: the step's router loss (``train_aux_loss``)."""
+        if self._router_totals is not None:
+            self.log("train_aux_loss", load_balancing_loss(self._router_totals.total("router_stats")))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.pipeline_forward(input_ids)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         input_ids, targets = batch
-        loss = mean_loss(self.pipeline_loss(self(input_ids), targets))
-        self.log("train_loss", loss, sync_dist=True)  # the global batch's mean, as bfpp logs it
-        return loss
+        loss_sum, items = cross_entropy_sum(self(input_ids), targets)
+        self.log("train_loss", loss_sum / items, sync_dist=True)  # the global batch's mean, as bfpp logs it
+        if self._router_coef is not None:
+            aux = load_balancing_loss(self._layers[-1].last_stats)
+            self.log("train_aux_loss", aux, sync_dist=True)
+            loss_sum = loss_sum + self._router_coef * aux * items
+        return loss_sum / items
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         input_ids, targets = batch
-        self.log("val_loss", mean_loss(self.pipeline_loss(self(input_ids), targets)), sync_dist=True)
+        self.log("val_loss", mean_loss(cross_entropy_sum(self(input_ids), targets)), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The logits of a batch of input ids, or of (input_ids, targets) pairs (under every strategy)."""

@@ -3,11 +3,24 @@ logits, and that a model built on the meta device has real buffers."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..contract.router_loss import load_balancing_loss
+
 PROBE_TOKENS = 16  # the construction check's sequence length (longer when a sliding window is shorter than 64)
+
+
+def probe_ids(model: nn.Module) -> torch.Tensor:
+    """2 x 16 deterministic token ids (longer than a sliding window under 64), on the model's device."""
+    config = model.config
+    window = getattr(config, "sliding_window", None) or 0
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or PROBE_TOKENS
+    seq = min(limit, max(PROBE_TOKENS, window + 1 if window < 64 else 0))
+    device = next(model.parameters()).device
+    return (torch.arange(2 * seq, device=device).view(2, seq) * 7919 + 3) % config.vocab_size  # no RNG drawn
 
 
 def check_layers_reproduce(model: nn.Module, pipeline_forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -15,13 +28,8 @@ def check_layers_reproduce(model: nn.Module, pipeline_forward: Callable[[torch.T
     short deterministic sequence and raise a ValueError naming the model when the logits differ: its forward
     does something these layers do not. Costs two forward passes of 2 x 16 tokens (more for a short sliding
     window)."""
-    config = model.config
-    window = getattr(config, "sliding_window", None) or 0
-    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or PROBE_TOKENS
-    seq = min(limit, max(PROBE_TOKENS, window + 1 if window < 64 else 0))
-    device = next(model.parameters()).device
-    ids = (torch.arange(2 * seq, device=device).view(2, seq) * 7919 + 3) % config.vocab_size  # no RNG drawn
-    name = type(model).__name__
+    ids = probe_ids(model)
+    seq, name = ids.shape[1], type(model).__name__
     training = model.training
     model.eval()
     try:
@@ -67,3 +75,22 @@ def check_meta_buffers(model: nn.Module) -> None:
             f"{transformers.__version__}, which does not recompute its buffers ({unknown[0]}, ...): use "
             "CausalLM.from_pretrained(path) (buffers stay real), build the model in memory, or use transformers >= 5."
         )
+
+
+def check_router_loss(model: nn.Module, pipeline_forward: Callable[[torch.Tensor], torch.Tensor], head: Any) -> None:
+    """The router loss of `pipeline_forward`'s routing statistics (kept by `head`, ``hf.routing.RoutedHead``) equals
+    the model's own ``aux_loss`` on the probe, else a ValueError naming the model."""
+    ids, name, training = probe_ids(model), type(model).__name__, model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(ids, output_router_logits=True).aux_loss.float()
+            pipeline_forward(ids)
+            got = load_balancing_loss(head.last_stats)
+    finally:
+        model.train(training)
+    if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+        raise ValueError(f"CausalLM: {name}'s router loss from its layers' routing statistics ({got.item():.6g}) is "
+                         f"not its own aux_loss ({expected.item():.6g}) on a probe: its load_balancing_loss_func "
+                         "differs from transformers' usual one. Set output_router_logits=False, or add the loss in "
+                         "pipeline_loss.")

@@ -119,6 +119,12 @@ class LayoutPlan:
         if self.stage_layers == "auto" and has_meta_tensors(module):
             raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta "
                              "device: give the layers per stage, or let bfpp balance them by parameter count (None).")
+        if getattr(module, "pipeline_uses_step_totals", False) and not self.train_schedule.forwards_first():
+            spec = self.spec
+            raise ValueError(
+                f"{type(module).__name__}'s loss reads totals of the whole step (a router's load-balancing loss: "
+                f"contract.step_totals), and schedule={spec.name!r} (groups={spec.groups}) starts a backward before "
+                "the step's last forward: use schedule='breadth_first' with groups=1, or 'gpipe'.")
         stages = plan_stages(module, layers, self.spec.num_stages, None if self.undecided else self.stage_layers)
         if self.dims.tensor_parallel > 1:
             layer_plans(module, layers, self.dims.tensor_parallel, self.dims.sequence_parallel)  # the model's plan

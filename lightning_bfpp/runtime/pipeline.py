@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._private.pipelining import build_runtime
 from ..contract.hooks import loss_parts
 from ..contract.layer_io import BOUNDARY_RULE
+from ..contract.step_totals import StepTotals, step_totals
 from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
@@ -99,6 +100,7 @@ class PipelineRunner:
         replicate_group: dist.ProcessGroup | None = None,
         compiled: bool = False,
         dims: ParallelDims | None = None,
+        dp_group: dist.ProcessGroup | None = None,
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -116,6 +118,13 @@ class PipelineRunner:
         self.last_stats: dict[str, float] = {}
         self.compiled = CompileCounter() if compiled else None  # layers compiled: graphs made per training step
         self.dims = dims  # the layout: its sequence rule is checked on every batch (None: no rule)
+        self.dp_group = dp_group  # the replicas of this rank's stages: a loss's step totals are summed over it
+        # a loss reading whole-step totals in backward needs every forward first (contract.step_totals)
+        self._not_forwards_first = None if schedule.forwards_first() else (
+            f"bfpp: pipeline_loss reads totals of the whole step (a router's load-balancing loss), and "
+            f"schedule={spec.name} (groups={spec.groups}) starts a backward before the step's last forward: use "
+            "schedule=breadth_first (groups=1) or gpipe, or leave the whole-step loss out "
+            "(output_router_logits=False).")
         self.message_bytes = 0  # the largest activation message this rank sends (a stage's output, but the last's)
         for s, module in modules.items():
             if s != spec.num_stages - 1:
@@ -129,7 +138,12 @@ class PipelineRunner:
         data-parallel group unless the stages are sharded (FSDP2 reduce-scatters them)."""
         dp_mesh = mesh[DP]
         replicate_group = dp_mesh.get_group() if not dims.sharded and dp_mesh.size() > 1 else None
-        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims)
+        dp_group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims, dp_group)
+
+    def _sum_over_replicas(self, t: torch.Tensor) -> None:
+        if self.dp_group is not None:
+            dist.all_reduce(t, group=self.dp_group)
 
     def _count_message(self, _module: nn.Module, _args: Any, output: Any) -> None:
         tensors = output if isinstance(output, (tuple, list)) else (output,)
@@ -182,7 +196,8 @@ class PipelineRunner:
         try:
             if mode == "train":
                 batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
-                with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext():
+                with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext(), \
+                        step_totals(StepTotals(self._sum_over_replicas, self._not_forwards_first)):
                     out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs, **side)
             else:
                 out = runtime.step(*args, **side)

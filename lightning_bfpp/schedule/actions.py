@@ -103,6 +103,26 @@ class Schedule:
     def fsdp_actions(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.op in FSDP_OPS]
 
+    def forwards_first(self) -> bool:
+        """Whether every forward of a step ends before any backward starts, on any rank: the last stage runs all its
+        micro-batches' forwards before its rank's first backward, and every stage runs its micro-batches in order
+        (so the last stage's last forward follows every other forward). True for gpipe and breadth-first in one
+        group (and its zero-bubble form); whole-step statistics (a router's load-balancing loss) need it."""
+        last = self.spec.num_stages - 1
+        for rank, actions in self.actions.items():
+            compute = [a for a in actions if a.is_compute]
+            for stage in self.spec.local_stages(rank):
+                order = [a.micro_batch for a in compute if a.stage == stage and a.op == Op.FORWARD]
+                if order != sorted(order):
+                    return False
+            if last in self.spec.local_stages(rank):
+                ops = [a.op for a in compute]
+                first_backward = next((i for i, op in enumerate(ops) if op != Op.FORWARD), len(ops))
+                last_forward = max(i for i, a in enumerate(compute) if a.stage == last and a.op == Op.FORWARD)
+                if last_forward > first_backward:
+                    return False
+        return True
+
     def format(self) -> str:
         """A compact text table: one line per rank."""
         return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in sorted(self.actions.items()))

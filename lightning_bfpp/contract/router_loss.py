@@ -1,0 +1,66 @@
+"""A mixture of experts' router loss over the whole batch, for any model whose layers carry routing statistics: the
+load-balancing loss of the Switch Transformer as transformers' ``load_balancing_loss_func`` defines it (the fraction of
+top-k picks each expert gets times its mean router probability, over every MoE layer and token of the batch). Layers
+add their ``router_stats`` to a small tensor passed along with the hidden states; ``router_loss`` is the part a
+micro-batch's ``(loss_sum, num_items)`` loss adds: exact in one process, and in a pipeline step through the step's
+totals (``step_totals``), whose gradient needs every micro-batch's routing before the first backward. Used by
+``lightning_bfpp.hf`` (``hf.routing``) and by the example's mixture of experts."""
+from __future__ import annotations
+
+import torch
+
+from .step_totals import StepTotals, active_step_totals
+
+
+def router_stats(logits: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
+    """One router call's statistics as ``load_balancing_loss_func`` accumulates them: a (2, E + 1) tensor whose row 0
+    holds each expert's summed router probability (with gradient) and row 1 each expert's top-k picks (no gradient),
+    then the number of routed rows."""
+    probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)  # (rows, E)
+    picks = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+    ones = torch.ones_like(picks, dtype=torch.float)
+    counts = torch.zeros(num_experts + 1, device=probs.device).index_add_(0, picks, ones)
+    counts[num_experts] = probs.shape[0]
+    prob_sums = torch.cat([probs.sum(0), probs.new_zeros(1)])
+    return torch.stack([prob_sums, counts])
+
+
+def load_balancing_loss(stats: torch.Tensor) -> torch.Tensor:
+    """The model's ``aux_loss`` from statistics summed over every router call of the batch (`router_stats`):
+    E x sum over experts of (picks / rows) x (probability sum / rows)."""
+    num_experts, rows = stats.shape[1] - 1, stats[1, -1]
+    return num_experts * torch.sum((stats[1, :-1].detach() / rows) * (stats[0, :-1] / rows))
+
+
+class _RouterLossInPipeline(torch.autograd.Function):
+    """The router loss of one micro-batch in a pipeline step: no value in the forward (it is the whole step's, logged
+    after the step), and in the backward the gradient of ``coef x aux_loss x items`` with respect to this
+    micro-batch's probability sums, from the step's totals: coef x items x E x picks / rows^2 (the picks carry no
+    gradient, as in the model's own loss)."""
+
+    @staticmethod
+    def forward(ctx, stats: torch.Tensor, totals: StepTotals, coef: float) -> torch.Tensor:
+        ctx.totals, ctx.coef = totals, coef
+        return stats.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        stats, items = ctx.totals.total("router_stats"), ctx.totals.total("items")
+        num_experts, rows = stats.shape[1] - 1, stats[1, -1]
+        per_prob_sum = ctx.coef * items * num_experts * stats[1, :-1] / rows**2
+        out = torch.zeros_like(stats)
+        out[0, :-1] = grad * per_prob_sum
+        return out, None, None
+
+
+def router_loss(stats: torch.Tensor, items: torch.Tensor, coef: float) -> torch.Tensor:
+    """The router loss's part of a ``(loss_sum, num_items)`` loss: ``coef x aux_loss x items`` (so that dividing by the
+    batch's counted items gives the model's ``loss + coef x aux_loss``). In one process (no step totals active) from
+    `stats` of the whole batch; in a pipeline step, a micro-batch's part of the whole step's (see
+    `_RouterLossInPipeline`)."""
+    totals = active_step_totals()
+    if totals is None:
+        return coef * load_balancing_loss(stats) * items
+    totals.add("router_stats", stats)
+    totals.add("items", items.reshape(1).float())
+    return _RouterLossInPipeline.apply(stats, totals, coef)

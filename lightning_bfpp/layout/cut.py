@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..contract.layer_io import side_inputs_of
+from ..schedule.checks import is_count
 from ..schedule.stage_cut import balanced_stage_layers
 from .names import Layer, describe_layers
 from .remote import RemoteLayer, check_not_cut
@@ -17,8 +18,7 @@ def check_stage_layers(stage_layers: Sequence[int], num_layers: int | None, num_
     """`stage_layers` as a list: one positive layer count per stage, summing to `num_layers` (not
     checked while the model is unknown: None)."""
     counts = list(stage_layers) if isinstance(stage_layers, Sequence) and not isinstance(stage_layers, str) else None
-    legal = counts is not None and len(counts) == num_stages and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
+    legal = counts is not None and len(counts) == num_stages and all(is_count(n) for n in counts)
     if legal and (num_layers is None or sum(counts) == num_layers):
         return counts
     total = "" if num_layers is None else f" summing to the {num_layers} layers of pipeline_layers()"

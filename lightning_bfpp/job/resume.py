@@ -47,6 +47,8 @@ def skip_consumed_batches(dataloader: object, consumed: int) -> object:
         return dataloader
     if hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict"):
         return dataloader  # stateful loaders resume themselves through Lightning
+    if getattr(dataloader.sampler, "restores_position", False):
+        return dataloader  # a sampler that skips the consumed samples itself (lightning_bfpp.data.ResumableSampler)
     return DataLoader(
         dataloader.dataset,
         batch_sampler=SkipFirstBatches(dataloader.batch_sampler, consumed),

@@ -258,3 +258,54 @@ def test_the_training_order_is_the_same_at_every_data_parallel_size_and_resumes_
     sampler.resume_at(0, 24)
     sampler.set_epoch(1)  # another epoch: from its start
     assert len(list(sampler)) == 48
+
+
+class Batches:
+    """A callback keeping every training batch's input ids."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch import Callback
+
+        seen = self.seen = []
+
+        class Record(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.append(batch["input_ids"].clone())
+
+        self.callback = Record()
+
+
+def fit(corpus, cache_dir, steps: int, batch_size: int = 4, ckpt_path=None, save_every: int = 0) -> list[torch.Tensor]:
+    """A tiny example GPT trained `steps` steps on the corpus by plain Lightning (one process), saving
+    `cache_dir`/step=N.ckpt every `save_every` steps (mid-epoch); its batches."""
+    from gpt import GPT, GPTConfig
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_bfpp.data import TextDataModule
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=BLOCK, vocab_size=400))
+    data = TextDataModule(settings(corpus, cache_dir), block_size=BLOCK, batch_size=batch_size, seed=5)
+    record = Batches()
+    saves = [ModelCheckpoint(dirpath=cache_dir, filename="{step}", every_n_train_steps=save_every, save_top_k=-1)] \
+        if save_every else []
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
+                      enable_checkpointing=bool(saves), enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[record.callback, *saves])
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return record.seen
+
+
+def test_a_resume_continues_at_the_next_sample(corpus, tmp_path):
+    """The data position (epoch, samples consumed, seed) is in the checkpoint: a run stopped mid-epoch resumes with the
+    next global batch (plain Lightning would restart the epoch's loader); a changed global batch is refused."""
+    whole = fit(corpus, tmp_path, 6, save_every=3)
+    state = torch.load(tmp_path / "step=3.ckpt", weights_only=False)["TextDataModule"]
+    assert {k: state[k] for k in ("epoch", "samples", "seed", "global_batch_size")} == \
+        {"epoch": 0, "samples": 12, "seed": 5, "global_batch_size": 4}
+    rest = fit(corpus, tmp_path, 6, ckpt_path=tmp_path / "step=3.ckpt")
+    assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest, whole[3:]))
+    with pytest.raises(DataError, match=r"counts global batches of data.batch_size=4, this run's are 8: resume with "
+                                        r"data.batch_size=4"):
+        fit(corpus, tmp_path, 6, batch_size=8, ckpt_path=tmp_path / "step=3.ckpt")

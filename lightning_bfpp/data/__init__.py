@@ -4,7 +4,7 @@ with or without document boundaries (``packing``), drawn in an order that a chec
 LightningDataModule (``module``: ``TextDataModule``). Plain text, prompt/completion and chat records (``encode``).
 Batches are token batches (``contract.documents``). Needs `pip install lightning-bfpp[data]`.
 
-May import: contract (the token batch format).
+May import: contract (the token batch format), job (Lightning's mid-epoch resume rule).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
+from ..job.resume import mid_epoch
 from .cache import TokenCache, prepare_tokens
 from .packing import document_split, packed
 from .sampler import ResumableSampler
@@ -76,10 +77,12 @@ class TextDataModule(L.LightningDataModule):
 
     # ---- the data position, in every checkpoint (Lightning saves and restores a datamodule's state) ----
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, samples of it trained (batches Lightning counts as processed x the global batch), seed."""
+        """Epoch, samples of it trained (the batches Lightning counts as processed x the global batch), seed."""
         if self.trainer is None or self.train_set is None:
             return {}
-        processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        loop = self.trainer.fit_loop
+        # (Lightning resumes at the next epoch's start when saved at an epoch's end or after fit: nothing consumed)
+        processed = loop.epoch_loop.batch_progress.current.processed if mid_epoch(loop) else 0
         return {"epoch": self.trainer.current_epoch, "samples": processed * self.batch_size, "seed": self.seed,
                 "global_batch_size": self.batch_size, "train_samples": len(self.train_set),
                 "cache": Path(self.cache.path).name}

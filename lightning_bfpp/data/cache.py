@@ -132,9 +132,7 @@ def prepare_tokens(settings: TextSettings, checksums: bool = True, tokenizer: An
     key = cache_key(settings, tokenizer)
     final = root / key
     if final.exists():
-        cache = TokenCache.open(final, checksums)
-        log.info(f"data: reusing the token cache {final} ({cache.num_tokens} tokens, {cache.num_documents} documents)")
-        return cache
+        return _reuse(final, checksums)
     from filelock import FileLock, Timeout
 
     lock = FileLock(str(root / f".{key}.lock"))
@@ -154,8 +152,14 @@ def prepare_tokens(settings: TextSettings, checksums: bool = True, tokenizer: An
             return TokenCache.open(final)
     finally:
         lock.release()
-    cache = TokenCache.open(final, checksums)
-    log.info(f"data: reusing the token cache {final} ({cache.num_tokens} tokens, {cache.num_documents} documents)")
+    return _reuse(final, checksums)
+
+
+def _reuse(path: Path, checksums: bool) -> TokenCache:
+    """The complete cache in `path`, said once per launch (where it is checked with `checksums`)."""
+    cache = TokenCache.open(path, checksums)
+    log.log(logging.INFO if checksums else logging.DEBUG,
+            f"data: reusing the token cache {path} ({cache.num_tokens} tokens, {cache.num_documents} documents)")
     return cache
 
 

@@ -45,7 +45,7 @@ class TextDataModule(L.LightningDataModule):
         self._resume: dict[str, Any] | None = None
 
     def prepare_data(self) -> None:
-        prepare_tokens(self.settings)
+        prepare_tokens(self.settings, checksums=False)
 
     def setup(self, stage: str | None = None) -> None:
         if self.cache is None:

@@ -35,8 +35,9 @@ def tokenizer_key(tokenizer: Any) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
-    return tokenizer(text, add_special_tokens=special)["input_ids"]
+def _ids(tokenizer: Any, texts: list[str], special: bool) -> list[list[int]]:
+    """Token ids of many texts in one call (a fast tokenizer encodes them in parallel, in Rust)."""
+    return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
 
 
 def _check_text(value: Any, field: str, index: int) -> str:
@@ -78,25 +79,27 @@ def encode_batch(records: dict[str, list], indices: list[int], tokenizer: Any, f
                  append_eos: bool) -> dict[str, list]:
     """``datasets.map`` function (batched, with indices): ``input_ids`` and ``trained`` (1 where the token is a
     target the loss counts, 0 for prompt tokens) of each record."""
+    if fmt == "text":
+        texts = [_check_text(t, text_field, i) for t, i in zip(records[text_field], indices)]
+        ids = _ids(tokenizer, texts, True)
+        trained = [[1] * len(x) for x in ids]
+    elif fmt == "prompt_completion":
+        prompts = _ids(tokenizer, [_check_text(t, "prompt", i) for t, i in zip(records["prompt"], indices)], True)
+        answers = _ids(tokenizer, [_check_text(t, "completion", i) for t, i in zip(records["completion"], indices)],
+                       False)
+        ids = [p + a for p, a in zip(prompts, answers)]
+        trained = [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]
+    else:
+        ids, trained = [], []
+        for messages, index in zip(records["messages"], indices):
+            pieces = chat_pieces(tokenizer, messages, index)
+            encoded = _ids(tokenizer, [text for text, _ in pieces], False)
+            ids.append([t for piece in encoded for t in piece])
+            trained.append([int(counted) for piece, (_, counted) in zip(encoded, pieces) for _ in piece])
     eos = tokenizer.eos_token_id if append_eos else None
-    out_ids, out_trained = [], []
-    for row, index in enumerate(indices):
-        if fmt == "text":
-            ids = _ids(tokenizer, _check_text(records[text_field][row], text_field, index), True)
-            trained = [1] * len(ids)
-        elif fmt == "prompt_completion":
-            prompt = _ids(tokenizer, _check_text(records["prompt"][row], "prompt", index), True)
-            completion = _ids(tokenizer, _check_text(records["completion"][row], "completion", index), False)
-            ids, trained = prompt + completion, [0] * len(prompt) + [1] * len(completion)
-        else:
-            ids, trained = [], []
-            for text, counted in chat_pieces(tokenizer, records["messages"][row], index):
-                piece = _ids(tokenizer, text, False)
-                ids += piece
-                trained += [int(counted)] * len(piece)
-        if eos is not None and (not ids or ids[-1] != eos):
-            ids.append(eos)
-            trained.append(trained[-1] if trained else 1)  # trained after a trained token (a completion's end)
-        out_ids.append(ids)
-        out_trained.append(trained)
-    return {"input_ids": out_ids, "trained": out_trained}
+    if eos is not None:
+        for x, mask in zip(ids, trained):
+            if not x or x[-1] != eos:
+                x.append(eos)
+                mask.append(mask[-1] if mask else 1)  # trained after a trained token (a completion's end)
+    return {"input_ids": ids, "trained": trained}

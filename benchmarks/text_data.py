@@ -4,7 +4,7 @@ size.
 1. Preparation: a .jsonl of documents (written from the standard library's docstrings) tokenized by a BPE tokenizer
    trained on them (tests/text_fixtures.py), into a fresh cache with 1 process and with one per core, side by side:
    tokens/s of each (the whole `prepare_tokens`: reading with datasets, tokenizing, writing the memory-mapped file and
-   its checksums).
+   its checksums), beside the tokenizer's own batch encoding of the same texts in this process.
 2. Loader share: `make train` (conf/train.yaml: gpt_tiny, cpu_4: pp=2 x loops=2 x dp=2, data.batch_size=32) with
    data=text and with the byte corpus, side by side, under Lightning's SimpleProfiler: the mean time of the training
    loader's `next` per step over the mean time of a training step. The step time is the difference of two runs' totals
@@ -38,7 +38,14 @@ def prepare_rates(work: Path, docs: int) -> dict:
     texts = fixtures.documents(docs)
     fixtures.train_tokenizer(work / "tokenizer", texts[:2000], vocab_size=512)
     data = fixtures.write_jsonl(work / "docs.jsonl", [{"text": t} for t in texts])
-    rows = {}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
+    started = time.perf_counter()  # the tokenizer alone, batches of 1,000 texts: what preparation adds to it
+    count = sum(len(ids) for i in range(0, len(texts), 1000) for ids in tokenizer(texts[i:i + 1000])["input_ids"])
+    seconds = time.perf_counter() - started
+    rows = {"tokenizer_alone": {"tokens": count, "seconds": round(seconds, 2), "tokens_per_s": round(count / seconds)}}
+    print(f"  the tokenizer alone: {count / seconds:,.0f} tokens/s", flush=True)
     cores = len(os.sched_getaffinity(0))
     for processes in sorted({1, cores}):
         cache = work / f"cache-{processes}"

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
+    _num_cpus_available,
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
@@ -33,6 +34,9 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher
 # torch.set_num_threads(cpu count / local processes) unless OMP_NUM_THREADS is set, as Lightning's launcher does
 # before running the function. Public alternative checked: torch.set_num_threads (would drop Lightning's rule).
 set_num_threads_if_needed = _set_num_threads_if_needed
+# The cores that rule divides (this process's CPU affinity, else os.cpu_count()). Public alternative checked:
+# os.sched_getaffinity / os.cpu_count (would repeat Lightning's choice between them).
+num_cpus_available = _num_cpus_available
 
 # Lightning's strategies' all_gather (stacked, optional gradient sync) and reduce ("mean"/"sum"/ReduceOp, gloo's
 # missing AVG, a barrier first) over a process group, for bfpp's collectives over the replicas

@@ -27,6 +27,7 @@ from ._private.lightning_api import (
 )
 from ._private.torch_api import check_compile
 from .adapter.collectives import ReplicaCollectives
+from .adapter.lightning_output import ParameterCount, adapt_lightning_output
 from .adapter.loader import check_split, check_training_loader
 from .adapter.precision import pipeline_precision
 from .adapter.same_batch import check_same_batch
@@ -241,6 +242,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             self.setup_optimizers(trainer)
             if self.on_signal == "save" and not any(isinstance(c, SaveOnSignal) for c in trainer.callbacks):
                 trainer.callbacks.append(SaveOnSignal(self._job, self.signal_checkpoint))  # after the user's callbacks
+            adapt_lightning_output(trainer.callbacks, self.model_count, self.dims, self.global_rank)  # summary, saves
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -278,6 +280,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         stage_layers = self.plan.stage_cut(module, layers, self.root_device, rank_zero_info)
         seed = self.broadcast(torch.initial_seed()) if on_meta else None  # rank 0's: one initialization for all
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
+        self.model_count = ParameterCount.of(module)  # the whole model's (the model summary's totals)
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
                                                          self.global_rank, process_group_timeout(self),
                                                          self.root_device, seed)

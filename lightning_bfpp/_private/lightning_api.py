@@ -92,6 +92,17 @@ def metric_reductions(metric: Metric) -> dict[str, Any]:
     return metric._reductions
 
 
+def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
+    """A ModelSummary callback's ``max_depth`` and extra ``summarize`` arguments (``_max_depth``,
+    ``_summarize_kwargs``), to build bfpp's summary with the user's settings. Public alternative checked: none."""
+    return callback._max_depth, dict(callback._summarize_kwargs)
+
+
+# The logger of Lightning's checkpoint connector (lightning/pytorch/trainer/connectors/checkpoint_connector.py), which
+# logs a line about `weights_only` on every save that does not name it. Public alternative checked: none.
+CHECKPOINT_CONNECTOR_LOGGER = "lightning.pytorch.trainer.connectors.checkpoint_connector"
+
+
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside a LightningOptimizer (its public ``.optimizer`` property), else `optimizer`."""
     from lightning.pytorch.core.optimizer import LightningOptimizer

@@ -20,6 +20,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from ._private.lightning_api import (
     SubprocessScriptLauncher,
+    check_precision_first,
     optimizers_to_device,
     process_group_timeout,
     set_module_device_mesh,
@@ -33,7 +34,7 @@ from .adapter.precision import pipeline_precision
 from .adapter.same_batch import check_same_batch
 from .adapter.steps import run_on_last_stage, user_step
 from .adapter.training import TrainingStep
-from .contract.hooks import built_in_configure_model, check_callbacks, check_module
+from .contract.hooks import built_in_configure_model, check_callbacks, check_module, check_precision
 from .contract.source_notes import announce_contract
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
@@ -393,3 +394,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """What the user's predict_step returns, on every rank (shared over the pipeline group)."""
         return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+
+check_precision_first(BFPPStrategy, check_precision)  # Trainer(precision="16-mixed") names bf16-mixed, not 16-true

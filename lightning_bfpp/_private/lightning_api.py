@@ -4,7 +4,7 @@ versions against the tested ranges (versions.SUPPORTED). Also private, and not w
 overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -101,6 +101,27 @@ def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
 # The logger of Lightning's checkpoint connector (lightning/pytorch/trainer/connectors/checkpoint_connector.py), which
 # logs a line about `weights_only` on every save that does not name it. Public alternative checked: none.
 CHECKPOINT_CONNECTOR_LOGGER = "lightning.pytorch.trainer.connectors.checkpoint_connector"
+
+
+def check_precision_first(strategy_class: type, check: Callable[[str], None]) -> None:
+    """``Trainer(strategy=<a strategy_class>, precision=...)`` runs `check(precision)` before Lightning's own
+    precision check (``_AcceleratorConnector._validate_precision_choice``), which answers "16-mixed" under any
+    ModelParallelStrategy with a list holding "16-true" (refused by bfpp too). Every other strategy gets Lightning's
+    check alone. Public alternative checked: none; the Trainer checks the precision before any strategy hook runs
+    (the strategy object is known by then: ``_init_strategy`` comes first)."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    lightning_check = _AcceleratorConnector._validate_precision_choice
+    if getattr(lightning_check, "checks_first", None) is strategy_class:
+        return
+
+    def validate_precision_choice(connector: Any) -> None:
+        if isinstance(getattr(connector, "strategy", None), strategy_class):
+            check(str(connector._precision_flag))
+        lightning_check(connector)
+
+    validate_precision_choice.checks_first = strategy_class  # type: ignore[attr-defined]
+    _AcceleratorConnector._validate_precision_choice = validate_precision_choice
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

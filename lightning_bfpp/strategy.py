@@ -327,7 +327,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         if not trainer.training:
             return dataloader
-        check_training_loader(dataloader, self.plan)
+        check_training_loader(dataloader, self.plan, trainer)
         return resume_training_loader(dataloader, trainer.fit_loop)
 
     # ---- steps ---------------------------------------------------------------------------------

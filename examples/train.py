@@ -360,7 +360,7 @@ class LastCheckpoint(Callback):
 
     def _save(self, trainer: L.Trainer) -> None:
         if trainer.global_step != self.saved_at and not trainer.fast_dev_run and trainer.global_step > 0:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # named: Lightning logs its default on every rank
             self.saved_at = trainer.global_step
 
 

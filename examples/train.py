@@ -431,8 +431,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if trainer.is_global_zero:
         summary = metrics.summary(trainer)
+        measured, planned = summary["bubble_fraction"], summary["planned_bubble_fraction"]  # planned: schedule.png's
+        bubble = f" bubble={measured:.3f} measured ({planned:.3f} planned)" if None not in (measured, planned) else ""
         log.info(f"done in {(datetime.now() - started).total_seconds():.1f}s: train_loss={summary['train_loss']} "
-                 f"val_loss={summary['val_loss']} tokens/s={summary['tokens_per_s']} -> {run_dir / 'summary.json'}")
+                 f"val_loss={summary['val_loss']} tokens/s={summary['tokens_per_s']}{bubble} -> "
+                 f"{run_dir / 'summary.json'}")
         return summary
     return None
 

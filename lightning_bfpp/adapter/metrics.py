@@ -17,6 +17,10 @@ from lightning.pytorch.callbacks import Callback
 from ..runtime.instrument import MEMORY_KEYS
 
 log = logging.getLogger(__name__)
+# summary.json says which of its numbers this run measured and which are planned
+MEASURED = ("tokens_per_s, step_s, model_flops_per_s, mfu and bubble_fraction are measured in this run (means over "
+            "the steps after the first warmup_steps; bubble_fraction: idle / busy compute time, max over ranks); "
+            "planned_bubble_fraction is the schedule's plan, simulated with unit costs (schedule.png)")
 
 
 def _per_rank(memory: Any) -> list[dict]:
@@ -87,6 +91,8 @@ class PipelineMetrics(Callback):
         self._t0 = 0.0
         self._throughput: Throughput | None = None  # made at the first step, when the devices are known
         self._totals = {"time": 0.0, "batches": 0, "samples": 0, "lengths": 0}  # the job's, summed over steps
+        self.planned_bubble: float | None = None  # the schedule's own (schedule.png), under bfpp
+        self._said_step = -1  # the last step said without a progress bar
 
     # ---- per step ----
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
@@ -157,16 +163,18 @@ class PipelineMetrics(Callback):
     # ---- once ----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         schedule = getattr(trainer.strategy, "schedule", None)
-        if not (self.log_schedule and schedule is not None and trainer.is_global_zero):
+        if schedule is None or not trainer.is_global_zero:
             return
-        from ..sim.draw import draw_schedule
+        from ..sim.draw import draw_schedule, planned_step
 
-        if self.out_dir is None:
+        spec = getattr(schedule, "spec", schedule)  # a Schedule, or already its ScheduleSpec
+        planned = planned_step(spec)  # the schedule simulated with unit costs: the plan the picture shows
+        self.planned_bubble = planned.bubble
+        if not self.log_schedule or self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        spec = getattr(schedule, "spec", schedule)  # a Schedule, or already its ScheduleSpec
-        try:  # draw_schedule(spec, path) simulates the schedule with unit costs and writes a PNG
-            path = Path(draw_schedule(spec, self.out_dir / "schedule.png") or self.out_dir / "schedule.png")
+        try:
+            path = Path(draw_schedule(planned, self.out_dir / "schedule.png") or self.out_dir / "schedule.png")
         except Exception as err:  # a picture must never stop training
             log.warning(f"could not draw the schedule: {err!r}")
             return
@@ -195,6 +203,8 @@ class PipelineMetrics(Callback):
             model_flops_per_s=mean("model_flops_per_s"),
             mfu=mean("mfu"),
             bubble_fraction=mean("bubble_fraction"),
+            planned_bubble_fraction=self.planned_bubble,
+            measured=MEASURED,
             strategy=type(strategy).__name__,
         )
         out.update(run_layout(trainer))

@@ -58,6 +58,8 @@ class PipelineMetrics(Callback):
 
     The rates and MFU are Lightning's ``Throughput`` over each step (a window of two updates), fed with the job's totals
     (tokens and samples of all data-parallel replicas, the step's FLOPs), so they are the job's, not one device's.
+    Without a progress bar, global rank 0 logs ``step N/M: train_loss L, T tokens/s`` every ``log_every_n_steps``
+    (this module's logger, at INFO).
 
     Args:
         flops_per_token: training FLOPs per token of the model (forward + backward); None: no FLOP/s.
@@ -124,10 +126,22 @@ class PipelineMetrics(Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=key in ("tokens_per_s", "bubble_fraction"))
         loss = _scalar(trainer.callback_metrics.get("train_loss"))
         self.history.append({"step": trainer.global_step, **row, **({"train_loss": loss} if loss is not None else {})})
+        self._say_progress(trainer, loss, row["tokens_per_s"])
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
         if self.validate_at_end and (0 < trainer.max_steps <= trainer.global_step
                                      or (last_epoch and trainer.is_last_batch)):
             trainer.should_stop = True  # the epoch loop validates when asked to stop (see _should_check_val_fx)
+
+    def _say_progress(self, trainer: L.Trainer, loss: float | None, tokens_per_s: float) -> None:
+        """Without a progress bar: one line every `log_every_n_steps` optimizer steps on global rank 0."""
+        step, every = trainer.global_step, trainer.log_every_n_steps
+        if (trainer.progress_bar_callback is not None or not trainer.is_global_zero or not every or step % every
+                or step == self._said_step):
+            return
+        self._said_step = step  # accumulating batches share the step
+        of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+        log.info(f"step {step}{of}: train_loss {'n/a' if loss is None else f'{loss:.4f}'}, "
+                 f"{tokens_per_s:,.0f} tokens/s")
 
     def _rates(self, trainer: L.Trainer, step_s: float, tokens: int, samples: int) -> dict[str, float]:
         """tokens_per_s, model_flops_per_s and mfu of this step (Lightning's Throughput over the job's totals)."""

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 if __package__:  # `python -m examples.train` (Lightning's launcher relaunches it so): the example's modules are here
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir as rundir
+from command_line import check_command_line
 from config_checks import ConfigError, check_config
 from data import CorpusDataModule
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
@@ -455,4 +456,9 @@ def refuse_a_dir_in_use(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     refuse_a_dir_in_use(sys.argv[1:])
+    try:  # a misspelt key or config file: "did you mean" before Hydra's own answer
+        check_command_line(sys.argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -234,10 +234,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str) -> list:
     name = cfg.logger.name
     if name == "none":
         return []
-    if name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+    if name == "csv":  # one metrics.csv per run directory, continued by a resume into it
+        from csv_log import RunDirCSVLogger
 
-        return [CSVLogger(save_dir=str(run_dir), name="csv")]
+        return [RunDirCSVLogger(run_dir, checkpoint_meta(cfg.ckpt_path).get("global_step"))]
     if name == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 

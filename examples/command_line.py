@@ -83,7 +83,7 @@ def _check_group(override: Override, conf: Path) -> None:
 
 def _check_key(override: Override, cfg: DictConfig) -> None:
     """`a.b.c=value`: the first part of the path the config lacks is named with the closest key of its node."""
-    key, value = override.key_or_group, override.get_value_element_as_str()
+    key, value = override.key_or_group, ",".join(_choices(override))
     parts, node = key.split("."), cfg
     for depth, part in enumerate(parts):
         if isinstance(node, DictConfig) and part in node:

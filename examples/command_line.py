@@ -11,7 +11,7 @@ from pathlib import Path
 from config_checks import SET_ELSEWHERE, ConfigError
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_bfpp.schedule import SCHEDULES
 
@@ -86,7 +86,9 @@ def _check_key(override: Override, cfg: DictConfig) -> None:
     key, value = override.key_or_group, ",".join(_choices(override))
     parts, node = key.split("."), cfg
     for depth, part in enumerate(parts):
-        if isinstance(node, DictConfig) and part in node:
+        if isinstance(node, DictConfig) and part in node.keys():  # (`in node` is False for a missing value, ???)
+            if depth == len(parts) - 1 or OmegaConf.is_missing(node, part):
+                return  # the key exists; its value is not read (it may be an interpolation still to resolve)
             node = node[part]
             continue
         if not isinstance(node, DictConfig):
@@ -106,6 +108,6 @@ def _check_key(override: Override, cfg: DictConfig) -> None:
         if not close:
             return  # close to nothing the app knows: Hydra's message
         fixed = ".".join([*parts[:depth], close[0], *parts[depth + 1:]])
-        how = (f"+{fixed}={value}: a lightning.Trainer argument conf/train.yaml does not list" if close[0] not in node
-               else f"{fixed}={value}")
+        how = (f"+{fixed}={value}: a lightning.Trainer argument conf/train.yaml does not list"
+               if close[0] not in node.keys() else f"{fixed}={value}")
         raise ConfigError(f"{key}={value}: the config has no key {key}; did you mean {fixed}? ({how})")

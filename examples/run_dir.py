@@ -61,6 +61,8 @@ def swept_values(default: str) -> str:
     from command_line import overrides_of
     from hydra.core.hydra_config import HydraConfig
 
+    if not HydraConfig.initialized():  # resolved outside a job (e.g. `--cfg hydra --resolve`)
+        return default
     swept = {o.key_or_group for o in overrides_of(sys.argv[1:]) if o.is_sweep_override()}
     parts = [f"{o.key_or_group.rsplit('.', 1)[-1]}-{o.get_value_element_as_str()}"
              for o in overrides_of(list(HydraConfig.get().overrides.task)) if o.key_or_group in swept]

@@ -154,6 +154,7 @@ def test_a_misspelt_key_or_file_gets_did_you_mean(argv, message):
     ["trainer.max_steps=10", "+trainer.max_epochs=1", "schedule=gpipe", "hydra.run.dir=x", "--cfg", "job"],
     ["-m", "schedule.micro_batches=2,4", "schedule=breadth_first,1f1b"],
     ["foo.bar=1"],  # close to nothing the app has: Hydra's own message
+    ["model=hf_pretrained", "model.path=/nowhere"],  # a key whose value is missing (???) exists
 ])
 def test_keys_the_app_has_or_cannot_guess_pass(argv):
     check_command_line(argv)

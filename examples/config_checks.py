@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_bfpp.data.settings import PACKINGS
+from lightning_bfpp.schedule import SCHEDULES
 from lightning_bfpp.schedule.checks import is_count
 from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 
@@ -117,7 +118,7 @@ def check_run_keys(cfg: DictConfig) -> None:
                           "+trainer.max_epochs=N; e.g. trainer.max_steps=400.")
     if OmegaConf.is_missing(cfg.schedule, "name"):
         raise ConfigError("schedule=base holds the knobs every schedule shares, it is not a schedule; use "
-                          "schedule=breadth_first, depth_first, gpipe or 1f1b.")
+                          f"schedule={', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]}.")
     for key, holds, rule, fix in RUN_RULES:
         value = OmegaConf.select(cfg, key)
         if not holds(value):

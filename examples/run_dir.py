@@ -1,14 +1,17 @@
 """Examples/train.py's run directory — its default name (unique per launch, shared by every rank of
-one job) and a lock that keeps two live runs out of one directory.
+one job), a sweep job's folder named by its swept values, and a lock that keeps two live runs out of one directory.
 outputs/<date>/<time>-<6 hex>/   one launch (the popen launcher's children get the parent's dir)
 outputs/torchrun-<rdzv id>/, outputs/slurm-<job>.<step>/   every rank started by torchrun / SLURM
+multirun/<date>/<time>-<6 hex>/<job number>_<swept key>-<value>[_...]/   a job of a `-m` sweep
 <run dir>/.run.lock              {"pid", "host", "start"} of the launching process while it runs"""
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import socket
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -51,8 +54,24 @@ def rank_suffix() -> str:
     return "" if rank == "0" else f"_rank{rank}"
 
 
+def swept_values(default: str) -> str:
+    """A `-m` sweep job's folder name after its number: `<last part of the key>-<value>` of every key the command
+    line sweeps (`schedule-gpipe_micro_batches-4`), read from the job's own overrides; `default` when nothing is
+    swept on the command line (e.g. a sweeper's own params)."""
+    from command_line import overrides_of
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():  # resolved outside a job (e.g. `--cfg hydra --resolve`)
+        return default
+    swept = {o.key_or_group for o in overrides_of(sys.argv[1:]) if o.is_sweep_override()}
+    parts = [f"{o.key_or_group.rsplit('.', 1)[-1]}-{o.get_value_element_as_str()}"
+             for o in overrides_of(list(HydraConfig.get().overrides.task)) if o.key_or_group in swept]
+    return re.sub(r"[^\w.+-]+", "-", "_".join(parts)) or default  # no '=', '/' or ',': a path Hydra reads as is
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("bfpp_run_id", run_id, replace=True, use_cache=True)
+    OmegaConf.register_new_resolver("bfpp_swept", swept_values, replace=True)
     OmegaConf.register_new_resolver("bfpp_rank_suffix", rank_suffix, replace=True)
     OmegaConf.register_new_resolver("bfpp_output_subdir", output_subdir, replace=True)
     from config_checks import pretrained_config  # model=hf_pretrained: the saved model's shape

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 if __package__:  # `python -m examples.train` (Lightning's launcher relaunches it so): the example's modules are here
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir as rundir
+from command_line import check_command_line
 from config_checks import ConfigError, check_config
 from data import build_datamodule, prepare_text
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
@@ -233,10 +234,10 @@ def build_loggers(cfg: DictConfig, run_dir: Path, run_name: str) -> list:
     name = cfg.logger.name
     if name == "none":
         return []
-    if name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+    if name == "csv":  # one metrics.csv per run directory, continued by a resume into it
+        from csv_log import RunDirCSVLogger
 
-        return [CSVLogger(save_dir=str(run_dir), name="csv")]
+        return [RunDirCSVLogger(run_dir, checkpoint_meta(cfg.ckpt_path).get("global_step"))]
     if name == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
@@ -362,7 +363,7 @@ class LastCheckpoint(Callback):
 
     def _save(self, trainer: L.Trainer) -> None:
         if trainer.global_step != self.saved_at and not trainer.fast_dev_run and trainer.global_step > 0:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # named: Lightning logs its default on every rank
             self.saved_at = trainer.global_step
 
 
@@ -432,8 +433,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if trainer.is_global_zero:
         summary = metrics.summary(trainer)
+        measured, planned = summary["bubble_fraction"], summary["planned_bubble_fraction"]  # planned: schedule.png's
+        bubble = f" bubble={measured:.3f} measured ({planned:.3f} planned)" if None not in (measured, planned) else ""
         log.info(f"done in {(datetime.now() - started).total_seconds():.1f}s: train_loss={summary['train_loss']} "
-                 f"val_loss={summary['val_loss']} tokens/s={summary['tokens_per_s']} -> {run_dir / 'summary.json'}")
+                 f"val_loss={summary['val_loss']} tokens/s={summary['tokens_per_s']}{bubble} -> "
+                 f"{run_dir / 'summary.json'}")
         return summary
     return None
 
@@ -453,4 +457,9 @@ def refuse_a_dir_in_use(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     refuse_a_dir_in_use(sys.argv[1:])
+    try:  # a misspelt key or config file: "did you mean" before Hydra's own answer
+        check_command_line(sys.argv[1:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     main()

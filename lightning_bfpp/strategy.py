@@ -20,6 +20,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from ._private.lightning_api import (
     SubprocessScriptLauncher,
+    check_precision_first,
     optimizers_to_device,
     process_group_timeout,
     set_module_device_mesh,
@@ -27,12 +28,13 @@ from ._private.lightning_api import (
 )
 from ._private.torch_api import check_compile
 from .adapter.collectives import ReplicaCollectives
+from .adapter.lightning_output import ParameterCount, adapt_lightning_output
 from .adapter.loader import check_split, check_training_loader
 from .adapter.precision import pipeline_precision
 from .adapter.same_batch import check_same_batch
 from .adapter.steps import run_on_last_stage, user_step
 from .adapter.training import TrainingStep
-from .contract.hooks import built_in_configure_model, check_callbacks, check_module
+from .contract.hooks import built_in_configure_model, check_callbacks, check_module, check_precision
 from .contract.source_notes import announce_contract
 from .job.guard import JobGuard, as_timeout, rendezvous
 from .job.launcher import CheckingLauncher
@@ -241,6 +243,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             self.setup_optimizers(trainer)
             if self.on_signal == "save" and not any(isinstance(c, SaveOnSignal) for c in trainer.callbacks):
                 trainer.callbacks.append(SaveOnSignal(self._job, self.signal_checkpoint))  # after the user's callbacks
+            adapt_lightning_output(trainer.callbacks, self.model_count, self.dims, self.global_rank)  # summary, saves
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -278,6 +281,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         stage_layers = self.plan.stage_cut(module, layers, self.root_device, rank_zero_info)
         seed = self.broadcast(torch.initial_seed()) if on_meta else None  # rank 0's: one initialization for all
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
+        self.model_count = ParameterCount.of(module)  # the whole model's (the model summary's totals)
         modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
                                                          self.global_rank, process_group_timeout(self),
                                                          self.root_device, seed)
@@ -323,7 +327,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         if not trainer.training:
             return dataloader
-        check_training_loader(dataloader, self.plan)
+        check_training_loader(dataloader, self.plan, trainer)
         return resume_training_loader(dataloader, trainer.fit_loop)
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -390,3 +394,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """What the user's predict_step returns, on every rank (shared over the pipeline group)."""
         return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+
+check_precision_first(BFPPStrategy, check_precision)  # Trainer(precision="16-mixed") names bf16-mixed, not 16-true

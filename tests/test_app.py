@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -42,6 +43,22 @@ def read_summary(run_dir: Path) -> dict:
     assert summary["steps"] == 3 and summary["val_step"] == 3
     assert 0 < summary["val_loss"] < 6 and 0 < summary["train_loss"] < 6 and summary["tokens_per_s"] > 0
     return summary
+
+
+def documented_metrics() -> set[str]:
+    """The metric names docs/training.md lists in its table of what is logged (`{a,b}` spelled out)."""
+    table = (ROOT / "docs" / "training.md").read_text().split("| metric |")[1].split("\n\n")[0]
+    names = set()
+    for token in re.findall(r"`([^`]+)`", "\n".join(row.split("|")[1] for row in table.splitlines()[2:])):
+        head, brace, tail = token.partition("{")
+        choices, _, rest = tail.partition("}")
+        names |= {head + choice + rest for choice in choices.split(",")} if brace else {token}
+    return names
+
+
+def assert_documented(logged) -> None:
+    missing = sorted(set(logged) - documented_metrics() - {"step"})  # the CSV's step column
+    assert not missing, f"logged but not listed in docs/training.md: {missing}"
 
 
 def read_wandb_offline(run_file: Path) -> list:
@@ -130,6 +147,7 @@ def test_cli_plain_lightning_writes_summary_and_csv(tmp_path):
     header = metrics.read_text().splitlines()[0].split(",")
     assert {"train_loss", "val_loss", "tokens_per_s", "step_s", "model_flops_per_s", "mfu"} <= set(header)
     assert {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= set(header)  # LearningRateMonitor
+    assert_documented(header)
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()  # saved at the end by default
 
@@ -166,6 +184,7 @@ def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
     rows = wandb_history(run_dir)
     logged = set().union(*rows)
     assert {"train_loss", "val_loss", "tokens_per_s", "bubble_fraction", "trainer/global_step"} <= logged
+    assert_documented(key for key in logged if not key.startswith(("_", "schedule/")))  # W&B's own; the image
     assert {"lr-AdamW/pg1", "lr-AdamW/pg2"} <= logged  # LearningRateMonitor
     assert any(key.startswith("mem/") for key in logged)
     images = [row for row in rows if row.get("schedule/_type") == "images/separated" or "schedule/filenames" in row
@@ -187,6 +206,7 @@ def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
              f"ckpt_path={checkpoints / 'last.ckpt'}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-2.ckpt", "step-4.ckpt"]
     assert read_meta(checkpoints / "last.ckpt")["global_step"] == 5
+    assert [p.name for p in run_dir.glob("csv/version_*")] == ["version_0"]  # one metrics file per run directory
 
 
 # ---- several processes (Lightning's popen launcher, torchrun) ----
@@ -212,7 +232,7 @@ def test_cli_multirun_sweeps_schedules_on_two_processes(tmp_path):
     run_cli(["-m", "schedule=depth_first,1f1b", "cluster=cpu_2", "schedule.micro_batches=2",
              "data.batch_size=4", "logger=wandb", *FAST, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=600)
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
-    assert [p.name for p in jobs] == ["0_depth_first", "1_1f1b"]
+    assert [p.name for p in jobs] == ["0_schedule-depth_first", "1_schedule-1f1b"]  # the swept values
     for job in jobs:
         summary = read_summary(job)
         assert job.name.endswith(summary["schedule"]) and summary["world_size"] == 2

@@ -60,6 +60,10 @@ ROWS = [
     ("sequence_parallel_without_tensor_parallel", ["schedule.sequence_parallel=true"], "schedule.tensor_parallel=1"),
     ("sequence_not_dividing_by_tp", ["schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.tensor_parallel=2",
                                      "schedule.sequence_parallel=true", "model.block_size=63"], "data.block_size=63"),
+    # read from the command line before Hydra composes the config: "did you mean" first, not Hydra's `+` advice
+    ("misspelt_trainer_key", ["trainer.max_step=10"],
+     "error: trainer.max_step=10: the config has no key trainer.max_step; did you mean trainer.max_steps?"),
+    ("misspelt_schedule_file", ["schedule=breadth_frist"], "did you mean schedule=breadth_first?"),
 ]
 
 
@@ -105,7 +109,7 @@ TORCHRUN_ROW = ("torchrun_stage_layers_wrong_sum", ["cluster=cpu_2", "schedule.s
 
 
 # `make test` runs these rows (one per kind of check); the others, and torchrun's, are in the slow set
-FAST = {"world_not_divisible_by_pp", "stage_layers_wrong_sum", "negative_lr"}
+FAST = {"world_not_divisible_by_pp", "stage_layers_wrong_sum", "negative_lr", "misspelt_trainer_key"}
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +173,7 @@ def test_bad_setting_fails_fast_naming_the_setting(results, name, overrides, set
     fast, line = ends_fast(r, results)
     assert fast, f"{line}; {where}"
     assert setting in r.output, f"the error does not name {setting!r}; {where}"
+    assert "To append to your config use +" not in r.output, f"Hydra's advice for a key the app knows; {where}"
     started = [marker for marker in STARTED if marker in r.output]
     assert not started and not list(r.run_dir.glob("*_ddp_process_*.log")), f"processes were started; {where}"
 

@@ -89,6 +89,19 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     assert [line.split("#")[0].strip() for line in first.code.strip().splitlines()] == ["make train", "make test"]
 
 
+def test_readme_quickstart_runs_as_written_under_strategy_auto(workdirs):
+    """The quickstart says its training_step is used as written without bfpp: the same script with strategy="auto"
+    (Lightning's own choice for 2 CPU devices, DDP) trains and prints its train_loss."""
+    (block,) = [b for b in BLOCKS if b.file == "README.md" and "class MLP(PipelineHooks" in b.code]
+    assert "strategy=strategy" in block.code
+    cwd = workdirs("README.md (strategy=auto)")
+    (cwd / "quickstart_auto.py").write_text(block.code.replace("strategy=strategy", 'strategy="auto"'))
+    proc = subprocess.run([sys.executable, "quickstart_auto.py"], cwd=cwd, env=block_env(cwd), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert re.search(r"rank 0: train_loss \d", proc.stdout), proc.stdout[-2000:]
+
+
 def test_readme_links_point_to_files():
     readme = (ROOT / "README.md").read_text()
     targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme)

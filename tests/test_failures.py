@@ -35,6 +35,11 @@ def _names_the_failed_rank(output: str, failed: int) -> None:
     assert {int(r) for r, _ in said} - {failed} or observer, said
 
 
+def _each_rank_says_it_once(output: str) -> None:
+    said = re.findall(r"\[rank (\d)\] bfpp: the job stops because", output)
+    assert len(said) == len(set(said)), f"a rank said why more than once: {said}"
+
+
 def _wait_for_pids(pid_dir: Path, proc, timeout: float = 120) -> dict[int, int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -64,6 +69,7 @@ def test_killed_rank_takes_the_job_down(tmp_path, victim):
     assert not [r for r, p in pids.items() if pid_alive(p)] and elapsed < BUDGET_S, elapsed
     assert proc.returncode != 0
     _names_the_failed_rank(output, victim)
+    _each_rank_says_it_once(output)
 
 
 @pytest.mark.parametrize("fail_rank", [pytest.param(0, marks=pytest.mark.slow), 3])
@@ -77,7 +83,21 @@ def test_failing_rank_stops_every_process(tmp_path, fail_rank):
     # which load stretches
     assert time.time() - (pids / f"exception{fail_rank}").stat().st_mtime < BUDGET_S
     _names_the_failed_rank(str(failure.value), fail_rank)
+    _each_rank_says_it_once(str(failure.value).split("--- tail:")[0])  # the error lines of the output, each once
     assert f"[rank {fail_rank}] bfpp: the job stops because rank {fail_rank} failed: RuntimeError" in str(failure.value)
+
+
+def test_a_rank_says_why_the_job_stops_once(capfd):
+    """The failing rank's main thread says it (watchdog.report), then its watching thread sees the same first post once
+    a peer exits: one line per rank (it was two on a failing rank 0)."""
+    from lightning_bfpp.job.ending import say_stop
+
+    for _ in range(2):
+        say_stop(7, "rank 7 failed: RuntimeError: boom")
+    say_stop(7, "rank 3 got SIGTERM")  # another reason is news
+    assert capfd.readouterr().err.splitlines() == [
+        "[rank 7] bfpp: the job stops because rank 7 failed: RuntimeError: boom",
+        "[rank 7] bfpp: the job stops because rank 3 got SIGTERM"]
 
 
 def test_a_taken_rendezvous_port_ends_every_process(tmp_path):

@@ -18,7 +18,8 @@ PKG = ROOT / "lightning_bfpp"
 BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightning_api.py"}  # lightning_bfpp/_private/
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
-                      "_Action", "_ComputationType", "_device_mesh", "_data_source"}
+                      "_Action", "_ComputationType", "_device_mesh", "_data_source", "_max_depth",
+                      "_summarize_kwargs"}
 # `self._optimizer` / `self._device_mesh`: the class's own (or its strategy base's)
 SELF_OK = {"_optimizer", "_device_mesh"}
 LIBRARIES = ("torch", "lightning", "torchmetrics", "pytorch_lightning")

@@ -4,7 +4,7 @@ versions against the tested ranges (versions.SUPPORTED). Also private, and not w
 overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import (
     _all_gather_ddp_if_available,
+    _num_cpus_available,
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
@@ -33,6 +34,9 @@ SubprocessScriptLauncher = _SubprocessScriptLauncher
 # torch.set_num_threads(cpu count / local processes) unless OMP_NUM_THREADS is set, as Lightning's launcher does
 # before running the function. Public alternative checked: torch.set_num_threads (would drop Lightning's rule).
 set_num_threads_if_needed = _set_num_threads_if_needed
+# The cores that rule divides (this process's CPU affinity, else os.cpu_count()). Public alternative checked:
+# os.sched_getaffinity / os.cpu_count (would repeat Lightning's choice between them).
+num_cpus_available = _num_cpus_available
 
 # Lightning's strategies' all_gather (stacked, optional gradient sync) and reduce ("mean"/"sum"/ReduceOp, gloo's
 # missing AVG, a barrier first) over a process group, for bfpp's collectives over the replicas
@@ -86,6 +90,38 @@ def set_metric_step_value(metric: Metric, forward_cache: Any, update_count: int)
 def metric_reductions(metric: Metric) -> dict[str, Any]:
     """Each state's reduction function (``_reductions``; to warn about mean-reduced states)."""
     return metric._reductions
+
+
+def model_summary_settings(callback: Any) -> tuple[int, dict[str, Any]]:
+    """A ModelSummary callback's ``max_depth`` and extra ``summarize`` arguments (``_max_depth``,
+    ``_summarize_kwargs``), to build bfpp's summary with the user's settings. Public alternative checked: none."""
+    return callback._max_depth, dict(callback._summarize_kwargs)
+
+
+# The logger of Lightning's checkpoint connector (lightning/pytorch/trainer/connectors/checkpoint_connector.py), which
+# logs a line about `weights_only` on every save that does not name it. Public alternative checked: none.
+CHECKPOINT_CONNECTOR_LOGGER = "lightning.pytorch.trainer.connectors.checkpoint_connector"
+
+
+def check_precision_first(strategy_class: type, check: Callable[[str], None]) -> None:
+    """``Trainer(strategy=<a strategy_class>, precision=...)`` runs `check(precision)` before Lightning's own
+    precision check (``_AcceleratorConnector._validate_precision_choice``), which answers "16-mixed" under any
+    ModelParallelStrategy with a list holding "16-true" (refused by bfpp too). Every other strategy gets Lightning's
+    check alone. Public alternative checked: none; the Trainer checks the precision before any strategy hook runs
+    (the strategy object is known by then: ``_init_strategy`` comes first)."""
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    lightning_check = _AcceleratorConnector._validate_precision_choice
+    if getattr(lightning_check, "checks_first", None) is strategy_class:
+        return
+
+    def validate_precision_choice(connector: Any) -> None:
+        if isinstance(getattr(connector, "strategy", None), strategy_class):
+            check(str(connector._precision_flag))
+        lightning_check(connector)
+
+    validate_precision_choice.checks_first = strategy_class  # type: ignore[attr-defined]
+    _AcceleratorConnector._validate_precision_choice = validate_precision_choice
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -1,8 +1,10 @@
 """The user's training dataloader checked against the layout before the first step: its batch splits into the
-micro-batches, it yields each replica's share of global_batch_size, and a ragged last batch is named in advance."""
+micro-batches, it yields each replica's share of global_batch_size, and a ragged last batch that would not split is
+refused before training when the run would reach it (evaluation loaders may end ragged: they run it as fewer
+micro-batches)."""
 from __future__ import annotations
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing import Any
 
 from ..layout.plan import LayoutPlan
 from ..schedule.dims import LayoutError, Names
@@ -23,9 +25,18 @@ def check_split(dataloader: object, plan: LayoutPlan) -> None:
         plan.dims.micro_batch_size(batch_size, Names(replica_batch="the dataloader's batch_size"))
 
 
-def check_training_loader(dataloader: object, plan: LayoutPlan) -> None:
-    """Raise when (with global_batch_size) the training loader's batch is not this replica's share; warn when an
-    epoch ends on a batch that will not split into the micro-batches."""
+def reaches_last_batch(trainer: Any, batches: int) -> bool:
+    """Whether the run trains an epoch's last batch (of `batches`): not when ``limit_train_batches`` cuts the epoch
+    short, nor when ``max_steps`` ends the run within its first epoch."""
+    limit = getattr(trainer, "limit_train_batches", 1.0)
+    used = min(limit, batches) if isinstance(limit, int) else int(batches * (1.0 if limit is None else limit))
+    max_steps, accumulate = getattr(trainer, "max_steps", -1), getattr(trainer, "accumulate_grad_batches", 1)
+    return used >= batches and not (0 < max_steps and max_steps * accumulate < batches)
+
+
+def check_training_loader(dataloader: object, plan: LayoutPlan, trainer: Any = None) -> None:
+    """Raise when (with global_batch_size) the training loader's batch is not this replica's share, or when an
+    epoch ends on a batch that will not split into the micro-batches and `trainer`'s run reaches it."""
     batch_size = getattr(dataloader, "batch_size", None)
     if isinstance(batch_size, int) and plan.global_batch_size and batch_size != plan.replica_batch_size:
         raise LayoutError(
@@ -33,9 +44,11 @@ def check_training_loader(dataloader: object, plan: LayoutPlan) -> None:
             f"{plan.dims.data_parallel} is not global_batch_size={plan.global_batch_size}: build the loader with "
             f"batch_size=trainer.strategy.replica_batch_size ({plan.replica_batch_size}), e.g. in a datamodule's "
             "setup/train_dataloader, so the optimizer sees the same batch whatever the layout.")
-    tail = ragged_tail(dataloader)
-    if tail and tail % plan.spec.micro_batches:
-        rank_zero_warn(
-            f"the training dataloader's last batch of each epoch has {tail} samples (per data-parallel replica), "
-            f"not a multiple of micro_batches={plan.spec.micro_batches}: the step that reaches it will stop with "
-            "an error. Set drop_last=True on the training loader (evaluation loaders may keep a ragged last batch).")
+    tail, m = ragged_tail(dataloader), plan.spec.micro_batches
+    if tail and tail % m and reaches_last_batch(trainer, len(dataloader)):
+        samples = len(dataloader.sampler)
+        raise LayoutError(
+            f"the training dataloader's last batch of each epoch would have {tail} samples ({samples} samples per "
+            f"data-parallel replica in batches of {batch_size}), not a multiple of micro_batches={m}, so that step "
+            f"could not run: set drop_last=True on the training loader (each epoch then leaves those {tail} samples "
+            "out), or a batch_size that divides the samples. Evaluation loaders may keep a ragged last batch.")

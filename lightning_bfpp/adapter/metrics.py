@@ -17,6 +17,10 @@ from lightning.pytorch.callbacks import Callback
 from ..runtime.instrument import MEMORY_KEYS
 
 log = logging.getLogger(__name__)
+# summary.json says which of its numbers this run measured and which are planned
+MEASURED = ("tokens_per_s, step_s, model_flops_per_s, mfu and bubble_fraction are measured in this run (means over "
+            "the steps after the first warmup_steps; bubble_fraction: idle / busy compute time, max over ranks); "
+            "planned_bubble_fraction is the schedule's plan, simulated with unit costs (schedule.png)")
 
 
 def _per_rank(memory: Any) -> list[dict]:
@@ -54,6 +58,8 @@ class PipelineMetrics(Callback):
 
     The rates and MFU are Lightning's ``Throughput`` over each step (a window of two updates), fed with the job's totals
     (tokens and samples of all data-parallel replicas, the step's FLOPs), so they are the job's, not one device's.
+    Without a progress bar, global rank 0 logs ``step N/M: train_loss L, T tokens/s`` every ``log_every_n_steps``
+    (this module's logger, at INFO).
 
     Args:
         flops_per_token: training FLOPs per token of the model (forward + backward); None: no FLOP/s.
@@ -87,6 +93,8 @@ class PipelineMetrics(Callback):
         self._t0 = 0.0
         self._throughput: Throughput | None = None  # made at the first step, when the devices are known
         self._totals = {"time": 0.0, "batches": 0, "samples": 0, "lengths": 0}  # the job's, summed over steps
+        self.planned_bubble: float | None = None  # the schedule's own (schedule.png), under bfpp
+        self._said_step = -1  # the last step said without a progress bar
 
     # ---- per step ----
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
@@ -119,10 +127,22 @@ class PipelineMetrics(Callback):
             pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=key in ("tokens_per_s", "bubble_fraction"))
         loss = _scalar(trainer.callback_metrics.get("train_loss"))
         self.history.append({"step": trainer.global_step, **row, **({"train_loss": loss} if loss is not None else {})})
+        self._say_progress(trainer, loss, row["tokens_per_s"])
         last_epoch = trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
         if self.validate_at_end and (0 < trainer.max_steps <= trainer.global_step
                                      or (last_epoch and trainer.is_last_batch)):
             trainer.should_stop = True  # the epoch loop validates when asked to stop (see _should_check_val_fx)
+
+    def _say_progress(self, trainer: L.Trainer, loss: float | None, tokens_per_s: float) -> None:
+        """Without a progress bar: one line every `log_every_n_steps` optimizer steps on global rank 0."""
+        step, every = trainer.global_step, trainer.log_every_n_steps
+        if (trainer.progress_bar_callback is not None or not trainer.is_global_zero or not every or step % every
+                or step == self._said_step):
+            return
+        self._said_step = step  # accumulating batches share the step
+        of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""
+        log.info(f"step {step}{of}: train_loss {'n/a' if loss is None else f'{loss:.4f}'}, "
+                 f"{tokens_per_s:,.0f} tokens/s")
 
     def _rates(self, trainer: L.Trainer, step_s: float, tokens: int, samples: int) -> dict[str, float]:
         """tokens_per_s, model_flops_per_s and mfu of this step (Lightning's Throughput over the job's totals)."""
@@ -158,16 +178,18 @@ class PipelineMetrics(Callback):
     # ---- once ----
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         schedule = getattr(trainer.strategy, "schedule", None)
-        if not (self.log_schedule and schedule is not None and trainer.is_global_zero):
+        if schedule is None or not trainer.is_global_zero:
             return
-        from ..sim.draw import draw_schedule
+        from ..sim.draw import draw_schedule, planned_step
 
-        if self.out_dir is None:
+        spec = getattr(schedule, "spec", schedule)  # a Schedule, or already its ScheduleSpec
+        planned = planned_step(spec)  # the schedule simulated with unit costs: the plan the picture shows
+        self.planned_bubble = planned.bubble
+        if not self.log_schedule or self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        spec = getattr(schedule, "spec", schedule)  # a Schedule, or already its ScheduleSpec
-        try:  # draw_schedule(spec, path) simulates the schedule with unit costs and writes a PNG
-            path = Path(draw_schedule(spec, self.out_dir / "schedule.png") or self.out_dir / "schedule.png")
+        try:
+            path = Path(draw_schedule(planned, self.out_dir / "schedule.png") or self.out_dir / "schedule.png")
         except Exception as err:  # a picture must never stop training
             log.warning(f"could not draw the schedule: {err!r}")
             return
@@ -196,6 +218,8 @@ class PipelineMetrics(Callback):
             model_flops_per_s=mean("model_flops_per_s"),
             mfu=mean("mfu"),
             bubble_fraction=mean("bubble_fraction"),
+            planned_bubble_fraction=self.planned_bubble,
+            measured=MEASURED,
             strategy=type(strategy).__name__,
         )
         out.update(run_layout(trainer))

@@ -197,7 +197,14 @@ def check_module(module: nn.Module, precision: str, loss_scaling: bool) -> None:
             "dataloader_iter" in inspect.signature(module.training_step).parameters):
         raise ValueError(f"{name}.training_step(dataloader_iter): strategy='bfpp' needs one batch per step; take "
                          "`batch`.")
-    if loss_scaling or precision.startswith("16"):
+    check_precision(precision, loss_scaling)
+
+
+def check_precision(precision: str, loss_scaling: bool = False) -> None:
+    """Raise naming the bf16 precisions for fp16 (`precision` "16-mixed" / "16-true", or a grad scaler: `loss_scaling`).
+    Also run by Trainer(...) itself, before Lightning's own check of ModelParallelStrategy's precisions (which
+    suggests "16-true"): ``_private.lightning_api.check_precision_first``."""
+    if loss_scaling or str(precision).startswith("16"):
         raise ValueError(
             f"precision={precision!r}: strategy='bfpp' does not support fp16 (no loss scaling across pipeline "
             "stages; fp16 overflows within steps); use precision='bf16-mixed' or 'bf16-true' (or '32-true')."

@@ -13,9 +13,17 @@ def signal_code(signum: int) -> int:
     return 128 + int(signum)
 
 
+_SAID_STOP: set[tuple[int, str]] = set()  # the lines this process said by say_stop
+
+
 def say_stop(rank: int, reason: str) -> str:
-    """Print why the job stops as one line (see ``say``)."""
-    return say(rank, f"the job stops because {reason}")
+    """Print why the job stops as one line (see ``say``), once per rank: the main thread's report and the watching
+    thread (which sees the same first post when a peer then exits) may both come here with the same reason."""
+    text = f"the job stops because {reason}"
+    if (rank, text) in _SAID_STOP:
+        return f"[rank {rank}] bfpp: {text}"
+    _SAID_STOP.add((rank, text))
+    return say(rank, text)
 
 
 def say(rank: int, text: str) -> str:

@@ -9,12 +9,15 @@ import sys
 from collections.abc import Callable
 from datetime import timedelta
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
 from .._private.lightning_api import process_group_timeout_at_least
 from .._private.torch_api import set_default_group_timeout
 from .ending import FAILED, say_stop
 from .launcher import CheckingLauncher, launcher_watched, requeue_slurm_job, slurm_requeue_signal
 from .preempt import Preempted, default_grace_s
 from .signals import STOP_SIGNALS
+from .threads import threads_line
 from .watchdog import Watchdog
 
 STARTUP_TIMEOUT = timedelta(minutes=5)  # the least the rendezvous waits for every process to start
@@ -24,7 +27,8 @@ CHILDREN_WAIT_S = 15.0  # after a save on a signal, the launching process waits 
 def rendezvous(strategy, setup_distributed: Callable[[], None]) -> None:
     """`setup_distributed()` (Lightning's process-group set-up) waiting at least STARTUP_TIMEOUT for every process
     to start (imports, a slow file system, a loaded machine), unless Lightning's launching process dies meanwhile;
-    afterwards every wait is bounded by the strategy's `timeout` again."""
+    afterwards every wait is bounded by the strategy's `timeout` again. Then every rank has Lightning's CPU thread
+    rule (``threads``), and global rank 0 says the number."""
     from torch.distributed import DistNetworkError
 
     try:
@@ -40,6 +44,7 @@ def rendezvous(strategy, setup_distributed: Callable[[], None]) -> None:
                            f"to pick one. ({error})") from error
     if requested is not None and requested < STARTUP_TIMEOUT:
         set_default_group_timeout(requested)
+    rank_zero_info(threads_line(strategy.num_processes))  # cores / local processes, as Lightning's launcher does
 
 
 def as_timeout(timeout: timedelta | float | None) -> timedelta | None:

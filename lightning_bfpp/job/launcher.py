@@ -18,8 +18,9 @@ from typing import Any
 from lightning.fabric.plugins.environments import ClusterEnvironment, SLURMEnvironment
 from typing_extensions import override
 
-from .._private.lightning_api import SubprocessScriptLauncher, set_num_threads_if_needed
+from .._private.lightning_api import SubprocessScriptLauncher
 from .ending import FAILED, say_stop
+from .threads import apply_thread_rule
 
 LAUNCHER_PID = "BFPP_LAUNCHER_PID"  # set by the launching process for the child ranks it starts
 _LAUNCHED_BY = os.environ.pop(LAUNCHER_PID, "")  # in such a child: its launcher's pid (read once, not passed on)
@@ -50,7 +51,7 @@ class CheckingLauncher(SubprocessScriptLauncher):
                 os.environ.pop(LAUNCHER_PID, None)  # nothing else this process starts inherits it
             first = self.cluster_environment.node_rank() * self.num_processes + 1
             ChildObserver(self.procs, first, OBSERVER_WAIT, self.stop_children).start()
-        set_num_threads_if_needed(num_processes=self.num_processes)
+        apply_thread_rule(self.num_processes)
         return function(*args, **kwargs)
 
     @override

@@ -93,7 +93,7 @@ class SaveOnSignal(Callback):
             return
         path, how = signal_checkpoint_path(trainer, self.path)
         if not saved_at(path, step):  # e.g. a ModelCheckpoint's last.ckpt of this very step
-            trainer.save_checkpoint(path)
+            trainer.save_checkpoint(path, weights_only=False)  # the whole state (no line from Lightning)
         stop = self.job.saved_on_signal(signum, step, path)
         trainer.strategy.barrier("bfpp_saved_on_signal")  # every rank has said why before any rank can exit
         rank_zero_info(f"bfpp: saved {path} at step {step} on {signal.Signals(signum).name}; resume: {how}")

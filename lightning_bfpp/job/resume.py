@@ -1,12 +1,23 @@
 """Exact mid-epoch resume for ordinary (map-style) training dataloaders. Lightning restores the
 loop's batch progress but restarts a non-stateful dataloader at the epoch's first batch; here the
-batch *indices* already consumed in the epoch are skipped (no data is loaded for them)."""
+batch *indices* already consumed in the epoch are skipped (no data is loaded for them). Such a resume says so in one
+line, and Lightning's warning that the dataloader "is not resumable" (true of Lightning's own restart, not of this
+one) is filtered in the processes that resumed so."""
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import BatchSampler, DataLoader
+
+# The start of Lightning's warning (lightning/pytorch/loops/training_epoch_loop.py) on a mid-epoch resume of a loader
+# without state_dict / load_state_dict: it restarts such a loader at the epoch's first batch, bfpp does not.
+NOT_RESUMABLE = ("You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not "
+                 "resumable")
 
 
 class SkipFirstBatches(BatchSampler):
@@ -33,9 +44,17 @@ def resume_training_loader(dataloader: object, fit_loop: Any) -> object:
     trained on (`processed`: a ModelCheckpoint saving in on_train_batch_end has not yet counted its batch
     `completed`); otherwise `dataloader` as it is. A checkpoint of an epoch's end (its last batch,
     on_train_epoch_end, or a finished epoch) resumes at the next epoch's start, as Lightning's restart stages say."""
-    if fit_loop.restarting and mid_epoch(fit_loop):
-        return skip_consumed_batches(dataloader, fit_loop.epoch_loop.batch_progress.current.processed)
-    return dataloader
+    if not (fit_loop.restarting and mid_epoch(fit_loop)):
+        return dataloader
+    consumed = fit_loop.epoch_loop.batch_progress.current.processed
+    resumed = skip_consumed_batches(dataloader, consumed)
+    if resumed is not dataloader:
+        rank_zero_info(f"bfpp: resuming mid-epoch: the training dataloader starts after the {consumed} batches of "
+                       "the epoch the checkpoint had trained on, in the same order (docs/checkpoints.md)")
+        # for the rest of this process (warnings filters are global): a later resume of a map-style loader is this
+        # exact one again
+        warnings.filterwarnings("ignore", message=re.escape(NOT_RESUMABLE), category=PossibleUserWarning)
+    return resumed
 
 
 def mid_epoch(fit_loop: Any) -> bool:

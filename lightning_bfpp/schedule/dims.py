@@ -208,8 +208,7 @@ class ParallelDims:
         dp, m = self.data_parallel, self.spec.micro_batches
         unit = dp * m
         if global_batch % unit:
-            sizes = " or ".join(str(b) for b in sorted({max(unit, global_batch // unit * unit),
-                                                          (global_batch // unit + 1) * unit}))
+            sizes = " or ".join(map(str, nearest_multiples(global_batch, unit)))
             split = f", in {m} micro-batches); use {names.batch}={sizes}, or change {names.micro_batches}." if m > 1 \
                 else f"); use {names.batch}={sizes}."
             raise LayoutError(
@@ -222,12 +221,20 @@ class ParallelDims:
         return micro_batch_size(replica_batch, self.spec.micro_batches, names)
 
 
+def nearest_multiples(size: int, unit: int) -> list[int]:
+    """The multiples of `unit` next to `size` (below it when there is one, and above it): the valid sizes to offer."""
+    return sorted({max(unit, size // unit * unit), (size // unit + 1) * unit})
+
+
 def micro_batch_size(replica_batch: int, micro_batches: int, names: Names = Names()) -> int:
     """Samples per micro-batch of a replica's batch of `replica_batch` samples (checked to split evenly)."""
     if replica_batch % micro_batches:
+        sizes = " or ".join(map(str, nearest_multiples(replica_batch, micro_batches)))
+        counts = [m for m in divisors(replica_batch) if m > 1]
         raise LayoutError(
             f"{names.replica_batch}={replica_batch} (per data-parallel replica) is not a multiple of "
-            f"{names.micro_batches}={micro_batches}; change one of them (a loader's ragged last batch: "
+            f"{names.micro_batches}={micro_batches}; use {names.replica_batch}={sizes}"
+            + (f", or {names.micro_batches} in {counts}" if counts else "") + " (a loader's ragged last batch: "
             "drop_last=True).")
     return replica_batch // micro_batches
 

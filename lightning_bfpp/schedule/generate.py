@@ -25,11 +25,11 @@ def check_spec(spec: ScheduleSpec, names=None) -> None:
     if spec.name not in LOOPED_SCHEDULES and loops != 1:
         raise ScheduleError(
             f"{n('schedule')}={spec.name} is not looped: {n('loops')}={loops} must be 1 "
-            f"(or use {n('schedule')}=breadth_first / depth_first for looped stages)."
+            f"(or use {n('schedule')}={' / '.join(LOOPED_SCHEDULES)} for looped stages)."
         )
     if groups != 1 and spec.name not in BREADTH_FIRST:
-        raise ScheduleError(f"{n('groups')}={groups} (accumulation groups) needs {n('schedule')}=breadth_first (or "
-                            f"breadth_first_zb); set {n('groups')}=1.")
+        raise ScheduleError(f"{n('groups')}={groups} (accumulation groups) needs {n('schedule')}="
+                            f"{' or '.join(BREADTH_FIRST)}; set {n('groups')}=1.")
     if m % groups:
         raise ScheduleError(
             f"{n('micro_batches')}={m} must be divisible by {n('groups')}={groups}; e.g. "

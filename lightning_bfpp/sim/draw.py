@@ -23,22 +23,27 @@ def draw_schedule(spec_or_timeline, path: str | Path, *, costs=None, options=Non
     """
     stats = ""
     if isinstance(spec_or_timeline, ScheduleSpec):
-        spec = spec_or_timeline
-        if costs is None:
-            costs = unit_costs(spec.num_stages, spec.pipeline_parallel, unshard=0.5, reduce=0.5, p2p=0.1)
-        spec_or_timeline = evaluate(build_schedule(spec), costs, options or SimOptions())
-        title = title or _spec_title(spec)
+        spec_or_timeline = planned_step(spec_or_timeline, costs, options)
     if isinstance(spec_or_timeline, SimResult):
         result = spec_or_timeline
         num_stages = num_stages or result.schedule.spec.num_stages
         title = title or _spec_title(result.schedule.spec)
-        stats = f"step {result.step_time:.4g}   bubble {result.bubble:.3f}"
+        # the simulator's plan, not a measurement (a training run measures its own: PipelineMetrics' bubble_fraction)
+        stats = f"planned (simulated): step {result.step_time:.4g}   bubble {result.bubble:.3f}"
         if result.pipeline_bubble is not None:
             stats += f" (pipeline {result.pipeline_bubble:.3f}, exposed comm {result.exposed_comm:.4g})"
         events = result.timeline
     else:
         events = list(spec_or_timeline)
     return _render(events, Path(path), title or "schedule", stats, num_stages)
+
+
+def planned_step(spec: ScheduleSpec, costs=None, options=None) -> SimResult:
+    """One step of `spec` as the simulator plans it: with `costs` (default: unit costs, forward 1, backward 2, FSDP
+    gathers and reductions 0.5, p2p 0.1) and `options` (default ``SimOptions()``)."""
+    if costs is None:
+        costs = unit_costs(spec.num_stages, spec.pipeline_parallel, unshard=0.5, reduce=0.5, p2p=0.1)
+    return evaluate(build_schedule(spec), costs, options or SimOptions())
 
 
 def _spec_title(spec: ScheduleSpec) -> str:

@@ -34,7 +34,7 @@ from lightning_bfpp.job.liveness import pid_alive
 from lightning_bfpp.job.watchdog import Watchdog
 
 WORLD = 2
-BUDGET_S = 30  # every process gone within this many seconds of the error (measured: see the printed lines)
+BUDGET_S = 60  # every process gone within this many seconds of the error, as in test_failures (measured: printed)
 STEPS, EVERY = 4, 2
 BASE = {"pp": 2, "loops": 1, "m": 2, "steps": STEPS, "save_every": EVERY}
 SAVE_BYTES = 460_000  # one save of StackNet at pp=2 (torch 2.13: 445 KiB; .metadata, two shards, meta.pt, manifest)

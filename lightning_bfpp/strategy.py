@@ -93,7 +93,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
-    into any other layout. See ``lightning_bfpp.checkpoint``.
+    into any other layout; ``storage.names`` spells the settings storage errors name. See ``lightning_bfpp.checkpoint``.
     """
 
     # a model built on the meta device gets memory per stage in setup (CausalLM reads it)

@@ -178,7 +178,8 @@ def _publish(path: Path, tmp: Path, files: dict[str, dict[str, Any]], global_ste
     elif old.exists():
         old.unlink()
     for line in clean_partial_saves(path.parent):
-        rank_zero_info(line)
+        if not line.startswith("left "):  # said by the app at its start; not again at every save
+            rank_zero_info(line)
 
 
 def _warn_unsafe_meta(file: Path) -> None:

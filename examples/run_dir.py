@@ -1,5 +1,7 @@
 """Examples/train.py's run directory — its default name (unique per launch, shared by every rank of
-one job), a sweep job's folder named by its swept values, and a lock that keeps two live runs out of one directory.
+one job), a sweep job's folder named by its swept values, a lock that keeps two live runs out of one directory,
+and, once the lock is taken, the partial saves that an earlier process of this directory left behind (killed mid-save)
+removed.
 outputs/<date>/<time>-<6 hex>/   one launch (the popen launcher's children get the parent's dir)
 outputs/torchrun-<rdzv id>/, outputs/slurm-<job>.<step>/   every rank started by torchrun / SLURM
 multirun/<date>/<time>-<6 hex>/<job number>_<swept key>-<value>[_...]/   a job of a `-m` sweep
@@ -158,6 +160,16 @@ def release(lock: Path) -> None:
             lock.unlink()
     except (OSError, ValueError):
         pass
+
+
+def remove_partial_saves(run_dir: Path) -> list[str]:
+    """With this directory's lock held (no other live run writes here): every partial save an earlier process left in
+    <run dir>/checkpoints and <run dir> (where a save on a signal may go) handled at once, whatever its age; a line per
+    folder for the log. A complete checkpoint is never removed (``lightning_bfpp.checkpoint.partial``)."""
+    from lightning_bfpp.checkpoint import clean_partial_saves
+
+    folders = [Path(run_dir) / "checkpoints", Path(run_dir)]
+    return [line for folder in folders if folder.is_dir() for line in clean_partial_saves(folder, quiet_s=0)]
 
 
 def explicit_run_dir(argv: list[str]) -> Path | None:

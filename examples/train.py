@@ -34,6 +34,7 @@ from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
 
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.adapter.metrics import PipelineMetrics, run_layout
+from lightning_bfpp.checkpoint import StorageNames
 from lightning_bfpp.hf import CausalLM
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,12 @@ def build_strategy(cfg: DictConfig, run_dir: Path | None = None):
                  global_batch_size=int(cfg.data.batch_size))
     # a stop signal saves <run dir>/checkpoints/last.ckpt at the next step boundary: ckpt_path=auto resumes it
     signal_checkpoint = run_dir / "checkpoints" / "last.ckpt" if run_dir is not None else None
-    return BFPPStrategy(activation_checkpointing=ac, on_signal=cfg.checkpoint.on_signal,
-                        async_save=bool(cfg.checkpoint.get("async_save", False)),
-                        signal_grace_s=cfg.checkpoint.on_signal_grace_s, signal_checkpoint=signal_checkpoint, **s)
+    strategy = BFPPStrategy(activation_checkpointing=ac, on_signal=cfg.checkpoint.on_signal,
+                            async_save=bool(cfg.checkpoint.get("async_save", False)),
+                            signal_grace_s=cfg.checkpoint.on_signal_grace_s, signal_checkpoint=signal_checkpoint, **s)
+    # a full disk or an unwritable directory names the app's keys (every checkpoint is under the run directory)
+    strategy.storage.names = StorageNames(keep="checkpoint.keep", directory="hydra.run.dir")
+    return strategy
 
 
 class WandbRunId(Callback):
@@ -210,10 +214,19 @@ def resolve_ckpt_path(cfg: DictConfig, run_dir: Path) -> None:
         return
     if cfg.ckpt_path != "auto":
         return
-    from lightning_bfpp.checkpoint.manifest import newest_complete
+    from lightning_bfpp.checkpoint import StorageError, newest_to_resume
 
-    # strategy=auto resumes plain files only; bfpp both its folders and plain files
-    candidates = [p for p in [newest_complete(folder)] if p is not None] if cfg.trainer.strategy == "bfpp" else []
+    # strategy=auto resumes plain files only; bfpp both its folders and plain files; a folder that cannot be read may
+    # be the newest: refused rather than passed over
+    candidates = []
+    if cfg.trainer.strategy == "bfpp":
+        try:
+            newest_folder, passed = newest_to_resume(folder)
+        except StorageError as err:
+            raise ConfigError(f"ckpt_path=auto: {err}") from None
+        candidates += [newest_folder] if newest_folder is not None else []
+        for line in passed if rundir.global_rank() == "0" else []:
+            log.info(f"ckpt_path=auto: {line}")
     if folder.is_dir():
         candidates += [p for p in folder.glob("*.ckpt") if p.is_file()]
     newest = max(candidates, key=lambda p: p.stat().st_mtime, default=None)
@@ -283,19 +296,24 @@ def prepare_relaunch() -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> dict | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    lock = None
     try:  # the app's keys, before any process starts (the strategy checks its own knobs and the model)
         check_config(cfg)
+        lock = rundir.acquire(run_dir) if rundir.global_rank() == "0" else None  # this job's process that owns the dir
+        for line in rundir.remove_partial_saves(run_dir) if lock is not None else []:  # no other live run writes there
+            log.info(line)
         resolve_ckpt_path(cfg, run_dir)
         check_resume_strategy(cfg)
         check_resume_model(cfg)
         if cfg.data.name == "text":  # the token cache, prepared (or reused) before any process starts
             prepare_text(cfg, checksums=rundir.global_rank() == "0")
     except ConfigError as err:  # a setting to fix, not a crash: the message alone, exit 2
+        if lock is not None:
+            rundir.release(lock)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     env_before = dict(os.environ)
     launches_children = "LOCAL_RANK" not in os.environ and not os.environ.get("SLURM_NTASKS")
-    lock = rundir.acquire(run_dir) if rundir.global_rank() == "0" else None  # this job's process that owns the dir
     if launches_children and world_size(cfg) > 1:
         prepare_relaunch()
     try:

@@ -95,7 +95,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
-    into any other layout. See ``lightning_bfpp.checkpoint``.
+    into any other layout; ``storage.names`` spells the settings storage errors name. See ``lightning_bfpp.checkpoint``.
     """
 
     # a model built on the meta device gets memory per stage in setup (CausalLM reads it)
@@ -138,6 +138,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.on_signal, self.signal_grace_s, self.signal_checkpoint = on_signal, signal_grace_s, signal_checkpoint
         self.async_save = bool(async_save)
         self._saves = ckpt.BackgroundSaves()  # async_save: the save under way
+        self.storage = ckpt.Storage()  # its saves' sizes; .names: how storage errors spell the settings (an app's keys)
 
     # ---- the layout (``self.plan``) ------------------------------------------------------------
     dims = property(lambda self: self.plan.dims)
@@ -203,6 +204,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             self.check_model(module)
         if trainer is not None:
             check_callbacks(trainer.callbacks)
+            ckpt.check_save_dirs(trainer, self.signal_checkpoint, self.storage.names)  # writable
         ckpt.check_path(ckpt_path, trust=self.trust_checkpoints)  # exists, complete, plain data only
 
     @override
@@ -235,6 +237,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_callbacks(trainer.callbacks)  # again on every rank: under torchrun/SLURM no launcher has checked it
+        ckpt.check_save_dirs(trainer, self.signal_checkpoint, self.storage.names)
         if self.runner is None:
             self.check_model(module)
             self.runner = self._build_pipeline(module)
@@ -307,7 +310,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         ckpt.save_trainer_checkpoint(
             Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],
             self.plan.checkpoint_meta(self.stage_layer_names), self.param_order,
-            self.tied.aliases() if self.tied is not None else {}, self._saves if self.async_save and fitting else None)
+            self.tied.aliases() if self.tied is not None else {}, self._saves if self.async_save and fitting else None,
+            self.storage)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -336,6 +340,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         assert self.runner is not None
         module = self.lightning_module
         self._job.progress(module.trainer.global_step)
+        self._saves.raise_failure()  # a save that failed in the background stops the run at this step boundary
 
         def check_batch(batch: Any, measured: bool) -> None:
             if measured or self._check_batch:

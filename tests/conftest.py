@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = [  # measured with `make test ARGS=--durations=0` (2 processes, 2 cores), longest first
-    "test_exactness.py", "test_user_steps.py", "test_app.py", "test_docs_snippets.py", "test_tensor_parallel.py",
-    "test_checkpoint.py", "test_failures.py", "test_signals.py", "test_preemption.py", "test_hf_exact.py",
+    "test_exactness.py", "test_user_steps.py", "test_app.py", "test_storage_faults.py", "test_docs_snippets.py",
+    "test_tensor_parallel.py", "test_checkpoint.py", "test_failures.py", "test_signals.py", "test_preemption.py",
+    "test_hf_exact.py",
     "test_bad_settings.py", "test_precision_memory.py", "test_strategy_moves.py", "test_planner.py", "test_hf_app.py",
     "test_layers.py", "test_cli_layouts.py", "test_compile.py", "test_checkpoint_compat.py", "test_device_script.py",
     "test_checkpoint_safety.py", "test_auto_layout.py", "test_mesh.py", "test_watchdog_progress.py",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -75,15 +75,19 @@ def _check(procs: list[subprocess.Popen], timeout: float) -> None:
             raise AssertionError(f"launch failed (exit {p.returncode}); errors:\n{errors}\n--- tail:\n{out[-6000:]}")
 
 
-def start_lightning(out: Path, devices: int, configs: list[dict], script: Path = SCRIPT) -> subprocess.Popen:
-    """Lightning's own launcher: this process is rank 0 and starts ranks 1.. itself (output: one pipe)."""
-    return _popen([sys.executable, *_args(script, out, devices, configs)], clean_env(MASTER_PORT=str(free_port())))
+def start_lightning(out: Path, devices: int, configs: list[dict], script: Path = SCRIPT,
+                    prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """Lightning's own launcher: this process is rank 0 and starts ranks 1.. itself (output: one pipe). `prefix`: a
+    command the launch runs under (e.g. setpriv)."""
+    return _popen([*prefix, sys.executable, *_args(script, out, devices, configs)],
+                  clean_env(MASTER_PORT=str(free_port())))
 
 
-def start_torchrun(out: Path, devices: int, configs: list[dict], script: Path = SCRIPT) -> subprocess.Popen:
-    """torchrun starts every rank (output: one pipe)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *_args(script, out, devices, configs)]
+def start_torchrun(out: Path, devices: int, configs: list[dict], script: Path = SCRIPT,
+                   prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """torchrun starts every rank (output: one pipe). `prefix`: a command the launch runs under (e.g. setpriv)."""
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={devices}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *_args(script, out, devices, configs)]
     return _popen(cmd, clean_env())
 
 

@@ -15,7 +15,8 @@ precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (
 (that local rank sleeps before its process group exists), meta (true: built on the meta device by
 trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
 (StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer), counted
-(about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)).
+(about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)), disk_quota (save_dir holds at most
+that many bytes of checkpoint files, like a small disk: tests/full_disk.py).
 Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
 gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
 "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 from exact_model import LateStackNet, StackNet, loader
+from full_disk import limited
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -195,8 +197,10 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                                                  verbose=False)[0]["val_loss"]
     else:
         counted = cfg.get("counted", False)  # about 40 % of the targets ignored, the loss counting the others
-        trainer.fit(model, train_dataloaders=loader(per_replica, counted), val_dataloaders=loader(per_replica, counted),
-                    ckpt_path=cfg.get("resume"))
+        quota = limited(Path(cfg["save_dir"]), cfg["disk_quota"]) if cfg.get("disk_quota") else contextlib.nullcontext()
+        with quota:
+            trainer.fit(model, train_dataloaders=loader(per_replica, counted),
+                        val_dataloaders=loader(per_replica, counted), ckpt_path=cfg.get("resume"))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
     if cfg.get("eval"):  # forward-only pipelines after training: validate, test, predict

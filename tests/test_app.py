@@ -201,10 +201,16 @@ def test_cli_bfpp_one_process_logs_to_wandb_offline(tmp_path):
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 4
     assert (resumed / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # and it keeps checkpointing
 
-    # resumed into its own directory: last.ckpt and the step files are replaced in place (no last-v1.ckpt)
+    # resumed into its own directory: last.ckpt and the step files are replaced in place (no last-v1.ckpt), and the
+    # partial save of a process killed mid-save there is removed at the start, saying so
+    partial = checkpoints / ".step-4.ckpt.tmp-0badc0de"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"partial")
     run_cli([*one_process, *FAST, "trainer.max_steps=5", "checkpoint.every_n_steps=2", "logger=csv",
              f"ckpt_path={checkpoints / 'last.ckpt'}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-2.ckpt", "step-4.ckpt"]
+    log = (run_dir / "train.log").read_text()
+    assert f"removed {partial} (7 B): the partial checkpoint of an interrupted save" in log
     assert read_meta(checkpoints / "last.ckpt")["global_step"] == 5
     assert [p.name for p in run_dir.glob("csv/version_*")] == ["version_0"]  # one metrics file per run directory
 

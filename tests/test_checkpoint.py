@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -134,26 +136,29 @@ def test_plain_file_loads_into_a_pipelined_layout(runs):
     assert all(abs(r["val_loss"] - expected) <= 1e-6 for r in ranks)
 
 
-def test_interrupted_save_is_never_a_checkpoint(tmp_path, monkeypatch):
+def test_a_failed_save_is_never_a_checkpoint_and_leaves_nothing(tmp_path, monkeypatch):
+    """A save that fails half-way (not for want of storage: its error comes out as it is) never shows under its name,
+    and its hidden partial folder is removed."""
     target = tmp_path / "step=3.ckpt"
 
-    def crash(state, checkpoint_id):
-        checkpoint_id.mkdir(parents=True)
-        (checkpoint_id / "__0_0.distcp").write_bytes(b"partial")
+    def crash(state, storage_writer):
+        storage_writer.path.mkdir(parents=True)
+        (storage_writer.path / "__0_0.distcp").write_bytes(b"partial")
         raise RuntimeError("killed mid-save")
 
     monkeypatch.setattr(dcp, "save", crash)
     with pytest.raises(RuntimeError, match="killed mid-save"):
         ckpt.save(target, {"state_dict": {"w": torch.zeros(2)}}, {"global_step": 3})
     assert not target.exists() and not ckpt.is_sharded(target)
-    assert [p.name.startswith(".step=3.ckpt.tmp-") for p in tmp_path.iterdir()] == [True]
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
         ckpt.load(target, StackNet(), [])
 
 
 def test_a_background_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     """async_save: a complete background save, then one whose write dies half-way: the error comes out at the
-    next wait (the next save or the end of fit), and the folder under the name is still the previous, complete one."""
+    next step boundary (`raise_failure`) or wait, the folder under the name is still the previous, complete one, and
+    the partial folder was removed in the background."""
     from concurrent.futures import Future
 
     target, saves = tmp_path / "last.ckpt", ckpt.BackgroundSaves()
@@ -161,17 +166,21 @@ def test_a_background_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_p
     saves.wait()
     ckpt.check_path(target)
 
-    def dies(state, checkpoint_id, process_group=None):
-        checkpoint_id.mkdir(parents=True)
-        (checkpoint_id / "__0_0.distcp").write_bytes(b"partial")
+    def dies(state, storage_writer, process_group=None):
+        storage_writer.path.mkdir(parents=True)
+        (storage_writer.path / "__0_0.distcp").write_bytes(b"partial")
         failed = Future()
         failed.set_exception(RuntimeError("killed mid-write"))
         return failed
 
     monkeypatch.setattr(dcp, "async_save", dies)
     ckpt.save(target, {"state_dict": {"w": torch.zeros(2)}}, {"global_step": 6}, background=saves)
+    while saves.under_way:
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match="killed mid-write"):
-        saves.close()
+        saves.raise_failure()
+    saves.raise_failure()  # raised once
+    saves.close()
     ckpt.check_path(target)
     assert ckpt.read_meta(target)["global_step"] == 3
-    assert sorted(p.name.startswith(".last.ckpt.tmp-") for p in tmp_path.iterdir() if p != target) == [True]
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

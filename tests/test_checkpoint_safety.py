@@ -25,7 +25,8 @@ from procenv import free_port
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import lightning_bfpp.checkpoint as ckpt
-from lightning_bfpp.checkpoint.manifest import MANIFEST, STALE_TMP_S
+from lightning_bfpp.checkpoint.manifest import MANIFEST
+from lightning_bfpp.checkpoint.partial import QUIET_S
 from lightning_bfpp.checkpoint.safety import read_dcp_metadata
 
 TRAIN = ROOT / "examples" / "train.py"
@@ -229,7 +230,7 @@ def test_stale_tmp_folders_are_removed_by_the_next_save(tmp_path):
     for d in (stale, live):
         d.mkdir()
         (d / "__0_0.distcp").write_bytes(b"partial")
-    old = time.time() - STALE_TMP_S - 60
+    old = time.time() - QUIET_S - 60
     for p in (stale, stale / "__0_0.distcp"):
         os.utime(p, (old, old))
     _save(tmp_path / "step-2.ckpt")

@@ -2,7 +2,9 @@
 copies the state to CPU memory in the calling thread, then writes the shards from a thread of its own; a thread
 here then finishes the folder (meta.pt, manifest, rename: ``saving._finish``). Both threads' collectives run on a
 process group of their own (gloo), so they never interleave with training's. One save at a time: the next save,
-and the end of training, wait for the one under way."""
+and the end of training, wait for the one under way. A save that fails in the background removes its partial folder
+there, and its error is raised at the next step boundary (``raise_failure``): the previous checkpoint stays the
+newest complete one."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,10 +29,18 @@ class BackgroundSaves:
         if pending is not None:
             pending.result()
 
+    def raise_failure(self) -> None:
+        """At a step boundary: raise the error of a save that failed in the background (once); a save still under way
+        or complete passes."""
+        if self._pending is not None and self._pending.done() and self._pending.exception() is not None:
+            self.wait()
+
     def start(self, write: Callable[[dist.ProcessGroup | None], Future],
-              finish: Callable[[dist.ProcessGroup | None], None]) -> None:
+              finish: Callable[[dist.ProcessGroup | None], None],
+              failed: Callable[[BaseException], BaseException] = lambda error: error) -> None:
         """`write(group)` (returns when the state is staged; its future when written), then `finish(group)` in the
-        background. Collective: every rank starts the same saves in the same order."""
+        background; when either fails, `failed(error)` (the clean-up, in the background) gives the error to raise.
+        Collective: every rank starts the same saves in the same order."""
         self.wait()
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
@@ -38,7 +48,18 @@ class BackgroundSaves:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="bfpp-save")
         group = self._group
-        self._pending = self._executor.submit(lambda: (upload.result(), finish(group)))
+
+        def complete() -> None:
+            try:
+                upload.result()
+                finish(group)
+            except BaseException as error:  # torch's CheckpointException is one
+                told = failed(error)
+                if told is error:
+                    raise
+                raise told from error
+
+        self._pending = self._executor.submit(complete)
 
     def close(self) -> None:
         """Wait for the save under way; stop the thread (its process group is destroyed with the others)."""

@@ -1,26 +1,27 @@
 """Is this folder a complete, intact bfpp checkpoint? A manifest (manifest.json: every file's size and
 sha256) is written at save and verified at load, the hashing split over the ranks; cheap structural checks
-(files present, shards as long as the metadata says) run before any process starts; errors name the file
-and the newest complete checkpoint next to it; hidden .tmp-* folders of interrupted saves are cleaned up."""
+(files present and readable, shards as long as the metadata says) run before any process starts; errors name the
+file, the fix and the newest complete checkpoint next to it; a folder that cannot be read is never skipped silently
+when looking for the newest (``newest_to_resume``)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import shutil
-import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .errors import StorageError, read_error
 from .safety import DCP_METADATA, CheckpointError, load_file, read_dcp_metadata
 
 META_FILE = "meta.pt"  # Lightning's metadata file name: loops, schedulers, callbacks, epoch, step
 MANIFEST = "manifest.json"
 FORMAT = "lightning-bfpp checkpoint"
-STALE_TMP_S = 300.0  # a hidden .tmp-* folder untouched this long is an interrupted save (not one under way)
 _CHUNK = 1 << 22
 
 
@@ -49,29 +50,49 @@ def _mine(names: list[str], rank: int, world: int) -> list[str]:
 
 def hash_files(folder: Path, names: list[str], group: dist.ProcessGroup | None = None) -> dict[str, dict[str, Any]]:
     """{name: {"bytes", "sha256"}} for every file in `names`, each rank hashing its share (collective over `group`,
-    the whole world: the default group, or a save's own)."""
+    the whole world: the default group, or a save's own). A file a rank cannot read raises CheckpointException (the
+    OSError of the first such rank) on every rank."""
     rank, world = _rank_world()
-    local = {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256(folder / n)} for n in _mine(names, rank, world)}
-    if world == 1:
-        return local
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, local, group=group)
+    local: dict[str, Any] = {}
+    try:
+        for n in _mine(names, rank, world):
+            local[n] = {"bytes": (folder / n).stat().st_size, "sha256": sha256(folder / n)}
+    except OSError as e:
+        local = {"": e}
+    parts: list[Any] = [local]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, local, group=group)
+    failures = {r: (part[""], traceback.StackSummary()) for r, part in enumerate(parts) if "" in part}
+    if failures:
+        raise CheckpointException("hash", failures)
     return {k: v for part in parts for k, v in part.items()}
 
 
-def write_manifest(folder: Path, files: dict[str, dict[str, Any]], global_step: int | None) -> None:
-    manifest = {"format": FORMAT, "version": 1, "global_step": global_step, "files": dict(sorted(files.items()))}
+def write_manifest(folder: Path, files: dict[str, dict[str, Any]], global_step: int | None,
+                   name: str | None = None) -> None:
+    """`name`: the folder's name once complete (a save interrupted before its rename can take it back)."""
+    manifest = {"format": FORMAT, "version": 1, "global_step": global_step, "name": name,
+                "files": dict(sorted(files.items()))}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def load_manifest(folder: Path) -> dict[str, Any] | None:
+    """The manifest as it is (None: none), raising what reading it raised (OSError, ValueError, ...)."""
+    file = folder / MANIFEST
+    if not file.is_file():
+        return None
+    manifest = json.loads(file.read_text())
+    assert manifest["format"] == FORMAT and isinstance(manifest["files"], dict)
+    return manifest
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     file = folder / MANIFEST
-    if not file.is_file():
-        return None
     try:
-        manifest = json.loads(file.read_text())
-        assert manifest["format"] == FORMAT and isinstance(manifest["files"], dict)
-        return manifest
+        return load_manifest(folder)
+    except OSError as e:
+        raise read_error(file, e, folder, newest_note(folder)) from None
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise CheckpointError(f"{file}: not a bfpp checkpoint manifest ({type(e).__name__}: {e}); it is damaged "
                               f"or was not written by lightning-bfpp.{newest_note(folder)}") from None
@@ -82,7 +103,11 @@ def verify_checksums(folder: Path, manifest: dict[str, Any] | None) -> None:
     if manifest is None:
         return
     names = sorted(manifest["files"])
-    got = hash_files(folder, names)
+    try:
+        got = hash_files(folder, names)
+    except CheckpointException as e:
+        _rank, (error, _trace) = min(e.failures.items())
+        raise read_error(getattr(error, "filename", None) or folder, error, folder, newest_note(folder)) from None
     bad = [n for n in names if got[n]["sha256"] != manifest["files"][n]["sha256"]]
     if bad:
         raise CheckpointError(
@@ -92,31 +117,71 @@ def verify_checksums(folder: Path, manifest: dict[str, Any] | None) -> None:
         )
 
 
-def quick_complete(folder: Path) -> tuple[int, float] | None:
-    """(global_step, mtime) when `folder` looks like a complete bfpp checkpoint (names and sizes; no hashing)."""
+def inspect(folder: Path) -> tuple[int, float] | OSError | None:
+    """(global_step, mtime) when `folder` looks like a complete bfpp checkpoint (names and sizes; no hashing); the
+    OSError when it cannot be read (it may be one); None when it is not a complete checkpoint."""
     try:
-        manifest = read_manifest(folder)
-    except CheckpointError:
+        manifest = load_manifest(folder)
+        if manifest is None:
+            ok = (folder / META_FILE).is_file() and (folder / DCP_METADATA).is_file()
+            return (-1, folder.stat().st_mtime) if ok else None
+        for name, info in manifest["files"].items():
+            f = folder / name
+            if not f.is_file() or f.stat().st_size != info.get("bytes"):
+                return None
+    except OSError as e:
+        return e
+    except (ValueError, KeyError, TypeError, AssertionError):
         return None
-    if manifest is None:
-        ok = (folder / META_FILE).is_file() and (folder / DCP_METADATA).is_file()
-        return (-1, folder.stat().st_mtime) if ok else None
-    for name, info in manifest["files"].items():
-        f = folder / name
-        if not f.is_file() or f.stat().st_size != info.get("bytes"):
-            return None
     step = manifest.get("global_step")
     return (step if isinstance(step, int) else -1, folder.stat().st_mtime)
 
 
+def quick_complete(folder: Path) -> tuple[int, float] | None:
+    """(global_step, mtime) when `folder` looks like a complete bfpp checkpoint (names and sizes; no hashing)."""
+    found = inspect(folder)
+    return found if isinstance(found, tuple) else None
+
+
+def _candidates(parent: Path, exclude: Path | None = None) -> list[Path]:
+    return sorted(d for d in parent.iterdir() if d.is_dir() and not d.name.startswith(".") and d != exclude)
+
+
 def newest_complete(parent: Path, exclude: Path | None = None) -> Path | None:
-    if not parent.is_dir():
+    """The newest complete checkpoint folder in `parent` (for a note in a message: folders it cannot read are passed
+    over; ``newest_to_resume`` refuses them)."""
+    try:
+        if not parent.is_dir():
+            return None
+        found = [(key, d) for d in _candidates(parent, exclude) if (key := quick_complete(d)) is not None]
+    except OSError:
         return None
-    found = []
-    for d in parent.iterdir():
-        if d.is_dir() and not d.name.startswith(".") and d != exclude and (key := quick_complete(d)) is not None:
-            found.append((key, d))
     return max(found)[1] if found else None
+
+
+def newest_to_resume(parent: Path) -> tuple[Path | None, list[str]]:
+    """The newest complete checkpoint folder in `parent` to resume from, and a line for each folder passed over as
+    incomplete. A folder that cannot be read may be the newest: StorageError names it and the fix rather than resuming
+    from an older one silently."""
+    try:
+        if not parent.is_dir():
+            return None, []
+        folders = _candidates(parent)
+    except OSError as e:
+        raise read_error(parent, e, parent) from None
+    found, passed = [], []
+    for d in folders:
+        key = inspect(d)
+        if isinstance(key, OSError):
+            raise StorageError(f"{d} cannot be read ({key.strerror or key}: {key.filename or d}), and it may be "
+                               f"the newest checkpoint in {parent}. Fix: make it readable for this user (e.g. chmod -R "
+                               f"u+rX {d}), remove it, or resume from a checkpoint you name with ckpt_path=.")
+        if key is None:
+            passed.append(f"{d} is not a complete checkpoint (a file missing or shorter than its manifest says): "
+                          "passed over")
+        else:
+            found.append((key, d))
+    return (max(found)[1] if found else None), passed
 
 
 def newest_note(folder: Path, parent: Path | None = None) -> str:
@@ -129,9 +194,17 @@ def newest_note(folder: Path, parent: Path | None = None) -> str:
 
 
 def check_folder(folder: Path, trust: bool = False) -> tuple[Metadata, dict[str, Any], dict[str, Any] | None]:
-    """Structural checks of a checkpoint folder (no hashing): the files exist, have the sizes the manifest
-    records, the shards are as long as the metadata says; `.metadata` and `meta.pt` are read safely.
-    Returns (DCP metadata, Lightning meta, manifest or None)."""
+    """Structural checks of a checkpoint folder (no hashing): the files exist, can be opened, have the sizes the
+    manifest records, the shards are as long as the metadata says; `.metadata` and `meta.pt` are read safely.
+    Returns (DCP metadata, Lightning meta, manifest or None). A file this process cannot read (a permission) raises
+    StorageError naming it and the fix."""
+    try:
+        return _check_folder(folder, trust)
+    except OSError as e:
+        raise read_error(e.filename or folder, e, folder, newest_note(folder)) from None
+
+
+def _check_folder(folder: Path, trust: bool) -> tuple[Metadata, dict[str, Any], dict[str, Any] | None]:
     for name in (DCP_METADATA, META_FILE):
         if not (folder / name).is_file():
             if not (folder / DCP_METADATA).is_file() and not (folder / META_FILE).is_file():
@@ -166,25 +239,10 @@ def check_folder(folder: Path, trust: bool = False) -> tuple[Metadata, dict[str,
         if f.stat().st_size < end:
             raise CheckpointError(f"{f} has {f.stat().st_size} bytes, {DCP_METADATA} needs {end}: the shard is "
                                   f"truncated.{newest_note(folder)}")
+    for name in sorted({DCP_METADATA, META_FILE, *(manifest or {"files": {}})["files"], *extent}):
+        open(folder / name, "rb").close()  # readable by this process (a permission is not a damaged file)
     meta = load_file(folder / META_FILE, trust, map_location="cpu")
     if not isinstance(meta, dict):
         raise CheckpointError(f"{folder / META_FILE} holds a {type(meta).__name__}, not Lightning's checkpoint "
                               "metadata.")
     return metadata, meta, manifest
-
-
-def remove_stale_tmp(parent: Path, keep: Path | None = None, quiet_s: float = STALE_TMP_S) -> list[Path]:
-    """Remove hidden `.NAME.tmp-*` folders of interrupted saves in `parent`: nothing written to them for `quiet_s`
-    seconds (so a save still under way, e.g. another run's, is left alone)."""
-    removed, now = [], time.time()
-    for d in parent.glob(".*.tmp-*"):
-        if not d.is_dir() or d == keep:
-            continue
-        try:
-            newest = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.iterdir()])
-        except OSError:
-            continue
-        if now - newest >= quiet_s:
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed

@@ -23,13 +23,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from .._private.torch_api import checkpoint_metadata_globals
+from .errors import CheckpointError, read_error
 
 TRUST_ENV = "BFPP_TRUST_CHECKPOINTS"
 DCP_METADATA = ".metadata"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded as asked: missing, incomplete, corrupted, or of another model."""
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -68,7 +65,9 @@ def load_file(file: Path, trust: bool = False, **kwargs: Any) -> Any:
         if "weights only" in str(e).lower() or "GLOBAL" in str(e):
             raise refused(file, _needs(e)) from None
         raise CheckpointError(f"{file}: not a readable torch file ({e}); it is damaged or truncated.") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
+    except OSError as e:  # a permission, a file gone: what the storage says, not "damaged"
+        raise read_error(file, e, Path(file).parent) from None
+    except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"{file}: not a readable torch file ({type(e).__name__}: {e}); it is damaged or "
                               "truncated.") from None
 
@@ -104,7 +103,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(folder: Path, trust: bool = False, rank: int | None = None) -> Metadata:
     """Unpickle a DCP `.metadata` file allowing only DCP's metadata classes (anything, when trusted)."""
     file = Path(folder) / (DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}")
-    with open(file, "rb") as f:
+    try:
+        f = open(file, "rb")  # closed by the with below
+    except OSError as e:
+        raise read_error(file, e, Path(folder)) from None
+    with f:
         try:
             metadata = pickle.load(f) if trust else _MetadataUnpickler(f).load()
         except pickle.UnpicklingError as e:
@@ -147,6 +150,8 @@ class SafeReader(FileSystemReader):
                 raise
             except pickle.UnpicklingError as e:
                 raise refused(file, _needs(e)) from None
+            except OSError as e:
+                raise read_error(file, e, Path(self.path)) from None
             except Exception as e:
                 raise CheckpointError(f"{file}: could not be read ({type(e).__name__}: {e}); it is damaged or "
                                       "truncated.") from None

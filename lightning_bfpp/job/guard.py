@@ -116,7 +116,9 @@ class JobGuard:
             self.preempted = exception
             return
         self.failed = True
-        if self.watchdog is None:  # before the process group (e.g. its rendezvous timed out): nothing to say
+        if self.watchdog is None:  # before the process group (its rendezvous timed out, a check refused the run)
+            if getattr(exception, "job_wide", False):  # e.g. a checkpoint folder that cannot be written: said first
+                say_stop(0, str(exception))  # only the launching process (global rank 0) runs before the group
             self.kill_children()
             return
         self.watchdog.report(exception)

@@ -77,6 +77,7 @@ class Watchdog:
         self._peers: dict[int, int] = {}  # rank -> pid, for peers on this host
         self._step: int | None = None  # the training step this rank has reached (`progress`)
         self._published_step: int | None = None  # the last one written to the store
+        self._said: str | None = None  # the job-wide failure this rank raised and reported itself (``report``)
 
     # ---- lifecycle (main thread) ---------------------------------------------------------------------
     def start(self) -> None:
@@ -138,14 +139,24 @@ class Watchdog:
                 self._publish_step(self._store)  # this rank's own step is current before comparing
             except Exception:
                 pass
-        code, culprit = posted or (FAILED, culprit or f"rank {self.rank} failed: {type(error).__name__}: {summary}"
-                                                      f"{self._laggards()}")
+        code, culprit = posted or (FAILED, culprit or self._reason(error, summary))
         try:
             code, culprit = self.posts.post_stop(self._store, code, culprit)
         except Exception:  # the store's host is gone: say what this rank knows
             pass
         self.code = code
+        if getattr(error, "job_wide", False):
+            self._said = culprit  # every rank raised it: this rank's own ending, as for its own failure
         return say_stop(self.rank, culprit)
+
+    def _reason(self, error: BaseException, summary: str) -> str:
+        """Why the job stops when this rank raised `error`. An error every rank raised alike (``job_wide``: a failed
+        save or load, its cause shared by every rank) is told as it is, blaming no rank. Only a failed wait (a timeout,
+        a closed connection) names the ranks behind the others: there, one that stopped stepping explains it."""
+        if getattr(error, "job_wide", False):
+            return summary
+        behind = self._laggards() if _is_communication_error(error) else ""
+        return f"rank {self.rank} failed: {type(error).__name__}: {summary}{behind}"
 
     def progress(self, step: int) -> None:
         """Note the training step this rank has reached (named when a wait times out on a stuck rank). Only noted
@@ -228,7 +239,7 @@ class Watchdog:
                 posted = self.posts.posted_stop(store)
                 if posted is not None:
                     code, reason = posted
-                    if code != FAILED or not reason.startswith(f"rank {self.rank} "):
+                    if code != FAILED or not (reason.startswith(f"rank {self.rank} ") or reason == self._said):
                         self._exit(code, reason)
                         return
                 dead = self._dead_peer(store)

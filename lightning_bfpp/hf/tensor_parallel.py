@@ -21,7 +21,7 @@ from ..layout.tensor_parallel import (
     sequence_scatter,
     shared_input,
 )
-from ..layout.tp_styles import latent_projection, local_parameters, sharded_norm, whole_block
+from ..layout.tp_styles import combined, latent_projection, local_parameters, sharded_norm, whole_block
 from .layers import decoder_stack
 
 COLWISE = ("colwise", "unit_colwise", "colwise_gather_output", "colwise_rep")  # read a block's input, split by outputs
@@ -178,7 +178,7 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int,
     styles = plan.styles(set())
     if plan.kind == "decoder" and styles:  # a split block hands its input to its projections as one replicated tensor
         readers = {s.rpartition(".")[0] for s, k in plan.kinds.items() if k in COLWISE}
-        styles.update({r: shared_input() for r in readers if r and not plan.whole(r)})
+        styles.update({r: combined(styles.get(r), shared_input()) for r in readers if r and not plan.whole(r)})
     return styles or None
 
 
@@ -212,7 +212,7 @@ def _sequence_parallel(plan: _Plan) -> dict[str, Any]:
         block = prefix + child_name
         if next(child.parameters(), None) is None:
             continue
-        if block in plan.kinds:
+        if plan.kinds.get(block, "local_params") != "local_params":  # a projection straight under the layer
             raise ValueError(
                 f"sequence_parallel=True: {plan.name}'s decoder layer has {child_name} ({type(child).__name__}) split "
                 f"as {plan.kinds[block]!r} by the model's plan, outside an attention or MLP block that could gather "
@@ -226,4 +226,5 @@ def _sequence_parallel(plan: _Plan) -> dict[str, Any]:
         else:
             blocks[block] = sequence_gather()
             split.add(block)
-    return {**plan.styles(split), **blocks}
+    styles = plan.styles(split)
+    return {**styles, **{b: combined(styles.get(b), style) for b, style in blocks.items()}}

@@ -22,6 +22,20 @@ def _style(apply, name: str):
     return cls()
 
 
+def combined(*styles):
+    """One ParallelStyle applying `styles` in turn to the same module (a plan has one style per name)."""
+    styles = tuple(s for s in styles if s is not None)
+    if len(styles) == 1:
+        return styles[0]
+
+    def apply(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for style in styles:
+            module = style._apply(module, mesh)
+        return module
+
+    return _style(apply, "+".join(type(s).__name__ for s in styles))
+
+
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     """`module`'s own parameters as DTensors replicated over `mesh` (the same values on every rank)."""
     from torch.distributed.tensor import DTensor, Replicate

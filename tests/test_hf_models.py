@@ -224,6 +224,38 @@ def test_sequence_parallel_computes_a_block_the_plan_keeps_whole_on_the_gathered
     assert plan["self_attn.o_proj"].output_layouts == (torch.distributed.tensor.Replicate(),)
 
 
+def test_weights_kept_whole_that_compute_with_split_heads_get_their_gradients_summed():
+    """Apertus' MLP activation has weights of its own (xIELU) between the column- and the row-wise projection: its plan
+    keeps them whole, so each rank's gradient is its share of the features, summed over tp (found by following the
+    layer on the meta device). DeepSeek-V3's latent norms read whole tensors: they stay as they are."""
+    plan = _plans(build("apertus", num_key_value_heads=2))["model.layers.0"]
+    assert plan["mlp.act_fn"] == "SummedGradParameters" and plan["mlp"] == "ReplicatedInput"
+    deepseek = _plans(build("deepseek_v3", num_key_value_heads=2, head_dim=4, q_lora_rank=16, kv_lora_rank=16,
+                            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=2))
+    layer = deepseek["model.layers.0"]
+    assert layer["self_attn.kv_a_proj_with_mqa"] == "LatentProjection"
+    assert "self_attn.q_a_layernorm" not in layer and "self_attn" not in layer  # whole: each projection sums its own
+
+
+def test_a_weight_kept_whole_that_computes_both_ways_is_refused():
+    class ScaledMLP(torch.nn.Module):  # `scale` multiplies the whole input and this rank's hidden units
+        def __init__(self, width: int, hidden: int):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(width, hidden), torch.nn.Linear(width, hidden)
+            self.down_proj = torch.nn.Linear(hidden, width)
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.down_proj(self.gate_proj(x * self.scale) * self.up_proj(x) * self.scale)
+
+    model = build("llama", num_key_value_heads=2)
+    model.model.layers[0].mlp = ScaledMLP(SMALL["hidden_size"], SMALL["intermediate_size"])
+    with pytest.raises(ValueError, match=r"tensor_parallel=2: LlamaForCausalLM's plan keeps mlp.scale whole, and it "
+                                         r"computes both with this rank's share of a split projection and with whole "
+                                         r"tensors"):
+        _plans(model)
+
+
 def test_sequence_parallel_refuses_a_decoder_child_split_outside_a_block():
     model = build("llama", num_key_value_heads=2)
     model.model.layers[0].adapter = torch.nn.Linear(SMALL["hidden_size"], SMALL["hidden_size"])

@@ -12,8 +12,11 @@ from __future__ import annotations
 from fnmatch import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
+from ..contract.layer_io import LayerCall
 from ..layout.tensor_parallel import (
     SEQUENCE_DIM,
     sequence_gather,
@@ -21,8 +24,18 @@ from ..layout.tensor_parallel import (
     sequence_scatter,
     shared_input,
 )
-from ..layout.tp_styles import combined, latent_projection, local_parameters, sharded_norm, whole_block
+from ..layout.tp_styles import (
+    combined,
+    elementwise,
+    latent_projection,
+    local_parameters,
+    sharded_norm,
+    summed_grad_parameters,
+    whole_block,
+)
 from .layers import decoder_stack
+from .side_inputs import causal_lm_side_inputs
+from .tp_probe import SHARDED, partial_weights
 
 COLWISE = ("colwise", "unit_colwise", "colwise_gather_output", "colwise_rep")  # read a block's input, split by outputs
 ROWWISE = ("rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep")  # make a block's output from split inputs
@@ -110,6 +123,55 @@ class _Plan:
                 )
         self.kind = "input" if any(m is embedding for m in layer.modules()) else \
             "output" if any(m is head for m in layer.modules()) else "decoder"
+        self.summed: dict[str, list[str]] = {}  # submodule -> its own weights kept whole, their gradients summed
+        if self.kind == "decoder":
+            self._follow_whole_weights()
+
+    def _follow_whole_weights(self) -> None:
+        """Find the weights the plan keeps whole inside a block of heads split by columns that compute with this
+        rank's share (``tp_probe``): their gradients are summed over tp; one used both ways is refused."""
+        readers = sorted({s.rpartition(".")[0] for s, k in self.kinds.items() if k in SHARDED})
+        handled = {f"{s}.{p}" if s else p for s in self.kinds if self._split(s) or self.kinds[s] == "mla_kv_a_proj"
+                   for p, _ in self.layer.get_submodule(s).named_parameters(recurse=False)
+                   if self.kinds[s] != "local_params" or p in self.params.get(s, {})}
+        blocks = [r for r in readers
+                  if any(n not in handled for n, _ in self.layer.get_submodule(r).named_parameters(prefix=r))]
+        if not blocks:
+            return
+        try:
+            partial, both = partial_weights(self.layer, self.kinds, self.params, blocks, handled, self._probe)
+        except Exception as err:  # a layer that cannot run alone: say which
+            raise ValueError(
+                f"tensor_parallel={self.tp}: {self.name}'s plan keeps weights of {blocks} whole beside projections "
+                f"split by heads, and lightning_bfpp could not follow the layer on 4 tokens to tell whether "
+                f"they compute with this rank's heads ({type(err).__name__}: {err}). Use tensor_parallel=1, or "
+                "subclass CausalLM and return this layer's plan from pipeline_tp_plan."
+            ) from err
+        if both:
+            raise ValueError(
+                f"tensor_parallel={self.tp}: {self.name}'s plan keeps {sorted(both)[0]} whole, and it computes both "
+                "with this rank's share of a split projection and with whole tensors, so no sum of its gradient over "
+                "tensor-parallel ranks is the gradient of one process. Use tensor_parallel=1, or subclass CausalLM "
+                "and return this layer's plan from pipeline_tp_plan."
+            )
+        for name in sorted(partial):
+            owner, _, own = name.rpartition(".")
+            self.summed.setdefault(owner, []).append(own)
+
+    def _probe(self, values: dict[str, torch.Tensor], device: torch.device) -> None:
+        """One call of the layer with `values` for its weights and buffers, on a 4-token sequence on `device` with
+        the side inputs the model's forward makes."""
+        from torch.func import functional_call
+
+        buffers = [b for b in self.model.buffers() if not b.is_meta]
+        ids = torch.zeros(1, 4, dtype=torch.long, device=buffers[0].device if buffers else "meta")
+        side = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+                        causal_lm_side_inputs(self.model, ids))
+        dtype = next(self.layer.parameters()).dtype
+        hidden = torch.linspace(-1, 1, 4 * self.model.config.hidden_size, device=device, dtype=dtype)
+        hidden = hidden.view(1, 4, -1)
+        args, kwargs = LayerCall(self.layer, "probe").arguments(hidden, side)
+        functional_call(self.layer, values, args, kwargs, strict=False)
 
     def _known(self, style: str, where: str) -> str:
         if style not in STYLES:
@@ -135,9 +197,12 @@ class _Plan:
         return False
 
     def _split(self, sub: str) -> bool:
-        """Whether the plan splits `sub`'s own weights, or computes them on this rank's heads (a norm over them)."""
+        """Whether the plan splits `sub`'s own weights, or computes them on this rank's heads (a norm over them, or
+        weights whose gradients are summed)."""
         style = self.kinds.get(sub)
-        return style in HANDLED or style == "replicated_with_grad_allreduce" and self._reads_split_heads(sub)
+        return style in HANDLED or style == "replicated_with_grad_allreduce" and self._reads_split_heads(sub) or \
+            sub in getattr(self, "summed", {}) and len(self.summed[sub]) == len(list(
+                self.layer.get_submodule(sub).parameters(recurse=False)))
 
     def styles(self, sequence_shards: set[str]) -> dict[str, Any]:
         """torch's style for every split submodule; row-wise ones under a block in `sequence_shards` reduce-scatter."""
@@ -150,6 +215,8 @@ class _Plan:
                                       self.model.config)
             if translated is not None:
                 out[sub] = translated
+        for sub, own in self.summed.items():
+            out[sub] = combined(out.get(sub), summed_grad_parameters(own))
         return out
 
     def _reads_split_heads(self, norm: str) -> bool:
@@ -188,6 +255,17 @@ def _decoder_path(plan: _Plan) -> str:
     return next((n for n, m in plan.layer.named_modules() if id(m) in stack), "")
 
 
+def _blocks(decoder: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """The decoder layer's children, those in a ModuleList or ModuleDict (a layer with two attentions) one by one."""
+    out = []
+    for name, child in decoder.named_children():
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            out += _blocks(child, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, child))
+    return out
+
+
 def _sequence_parallel(plan: _Plan) -> dict[str, Any]:
     """The sequence-parallel plan of one pipeline layer. The input layer's output is cut to this rank's sequence
     shard (a row-wise embedding reduce-scatters its lookups); the output layer gathers the sequence first. In a
@@ -204,11 +282,13 @@ def _sequence_parallel(plan: _Plan) -> dict[str, Any]:
         return {**styles, "": sequence_scatter()}
     if plan.kind == "output":
         return {**styles, "": sequence_gather(use_local_output=True)}
+    if all(isinstance(m, nn.Dropout) for m in plan.layer.modules()):
+        return {"": elementwise()}  # e.g. the embedding's dropout, a layer of its own in the pipeline plan
     decoder = _decoder_path(plan)
     prefix = f"{decoder}." if decoder else ""
     blocks: dict[str, Any] = {}
     split: set[str] = set()  # blocks whose row-wise projections reduce-scatter
-    for child_name, child in plan.layer.get_submodule(decoder).named_children():
+    for child_name, child in _blocks(plan.layer.get_submodule(decoder)):
         block = prefix + child_name
         if next(child.parameters(), None) is None:
             continue

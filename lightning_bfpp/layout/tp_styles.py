@@ -1,7 +1,8 @@
 """ParallelStyles for the parts of a tensor-parallel layer that are neither split by columns nor by rows: weights kept
 whole whose gradients are partial (a norm over the heads of a split projection, the rotary part of a latent
-projection), parameters split by a plan entry of their own and used as local tensors by their module's forward, and a
-block computed whole on the gathered sequence under sequence parallel. Each gives the gradients of one process."""
+projection, any weight computing with this rank's share), parameters split by a plan entry of their own and used as
+local tensors by their module's forward, and a block computed whole on the gathered sequence under sequence parallel.
+Each gives the gradients of one process."""
 from __future__ import annotations
 
 from typing import Any
@@ -36,12 +37,19 @@ def combined(*styles):
     return _style(apply, "+".join(type(s).__name__ for s in styles))
 
 
-def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
-    """`module`'s own parameters as DTensors replicated over `mesh` (the same values on every rank)."""
+def elementwise():
+    """A ParallelStyle for a layer without weights that works on each position alone (dropout): under sequence
+    parallel it runs on this rank's sequence shard as it is."""
+    return _style(lambda module, _mesh: module, "Elementwise")
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh, names: list[str] | None = None) -> None:
+    """`module`'s own parameters (those in `names`) as DTensors replicated over `mesh` (the same values on every
+    rank)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     for name, p in list(module.named_parameters(recurse=False)):
-        if not isinstance(p, DTensor):
+        if not isinstance(p, DTensor) and (names is None or name in names):
             module.register_parameter(name, nn.Parameter(DTensor.from_local(p, mesh, (Replicate(),), run_check=False),
                                                          requires_grad=p.requires_grad))
 
@@ -96,35 +104,58 @@ def latent_projection(shared_width: int):
     return _style(apply, "LatentProjection")
 
 
+def _use_local(module: nn.Module, names: list[str], grad_placements: Any = None) -> None:
+    """While `module` runs, its DTensor parameters `names` are their local tensors (their gradients reach the DTensors
+    as `grad_placements`, default: their own placements)."""
+    from torch.distributed.tensor import DTensor
+
+    held: dict[str, nn.Parameter] = {}
+
+    def before(mod, _args):
+        for name in names:
+            p = mod._parameters[name]
+            if isinstance(p, DTensor):
+                held[name] = p
+                mod._parameters[name] = p.to_local(grad_placements=grad_placements)
+
+    def after(mod, _args, _out):
+        mod._parameters.update(held)
+        held.clear()
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
 def local_parameters(placements: dict[str, Any]):
     """A ParallelStyle for a module whose own parameters named in `placements` are split (e.g. ``{"sinks":
     Shard(0)}``: one attention sink per head, split with the heads) and used by its forward as this rank's local
     tensors; their gradients stay this rank's share."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     def apply(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         for name, placement in placements.items():
             p = module._parameters[name]
             module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, (placement,)),
                                                          requires_grad=p.requires_grad))
-        held: dict[str, nn.Parameter] = {}
-
-        def before(mod, _args):
-            for name in placements:
-                p = mod._parameters[name]
-                if isinstance(p, DTensor):
-                    held[name] = p
-                    mod._parameters[name] = p.to_local()  # a view whose gradient reaches the DTensor as its shard
-
-        def after(mod, _args, _out):
-            mod._parameters.update(held)
-            held.clear()
-
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        _use_local(module, list(placements))
         return module
 
     return _style(apply, "LocalParameters")
+
+
+def summed_grad_parameters(names: list[str]):
+    """A ParallelStyle for a module whose own parameters `names` stay whole on every rank but compute with this
+    rank's share of a split projection (an activation's or a per-head norm's weights between the column-wise and
+    the row-wise projections): each rank's gradient is its part, summed over tp (a replicated DTensor whose local
+    tensor's gradient is partial)."""
+    from torch.distributed.tensor import Partial
+
+    def apply(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        _replicate_params(module, mesh, names)
+        _use_local(module, names, (Partial(),))
+        return module
+
+    return _style(apply, "SummedGradParameters")
 
 
 def whole_block():

@@ -106,7 +106,7 @@ def partial_weights(layer: nn.Module, kinds: dict[str, str], params: dict[str, d
             handles.append(module.register_forward_hook(lambda _m, _a, out, state=state: flow.set(out, state)))
     handles += [layer.get_submodule(b).register_forward_hook(done(b)) for b in blocks]
     try:
-        with flow, torch.no_grad():
+        with flow, torch.no_grad(), torch.random.fork_rng(devices=[]):  # draws nothing from the global RNG
             run(meta, device)
     except _Stop:
         pass

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..contract.layer_io import LayerCall
 from ..layout.tensor_parallel import (
@@ -165,8 +164,7 @@ class _Plan:
 
         buffers = [b for b in self.model.buffers() if not b.is_meta]
         ids = torch.zeros(1, 4, dtype=torch.long, device=buffers[0].device if buffers else "meta")
-        side = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
-                        causal_lm_side_inputs(self.model, ids))
+        side = _moved(causal_lm_side_inputs(self.model, ids), device)
         dtype = next(self.layer.parameters()).dtype
         hidden = torch.linspace(-1, 1, 4 * self.model.config.hidden_size, device=device, dtype=dtype)
         hidden = hidden.view(1, 4, -1)
@@ -224,6 +222,17 @@ class _Plan:
         stays split), so that the norm sees this rank's heads."""
         parent = norm.rpartition(".")[0]
         return any(s.rpartition(".")[0] == parent and k in ("colwise", "unit_colwise") for s, k in self.kinds.items())
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """`value` (side inputs: nested dicts and tuples of tensors) on `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return type(value)(_moved(v, device) for v in value)
+    return value
 
 
 def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int,

@@ -16,12 +16,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 SHARDED = ("colwise", "unit_colwise")  # their output is this rank's heads or features
 ENDS_SPLIT = ("rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep", "colwise_gather_output", "colwise_rep",
               "mla_kv_a_proj")
 _NONE: frozenset[str] = frozenset()
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value` (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors(v)]
+    return []
 
 
 class _Stop(Exception):
@@ -48,23 +58,21 @@ class _Flow(TorchFunctionMode):
         return id(t) in self.split, _NONE, _NONE
 
     def set(self, out: Any, state: tuple[bool, frozenset[str], frozenset[str]]) -> None:
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.state[id(t)] = state
-                self.alive.append(t)
+        for t in tensors(out):
+            self.state[id(t)] = state
+            self.alive.append(t)
 
     def record(self, value: Any) -> None:
         """`value` is used whole (a row-wise projection's or the block's output, a column-wise projection's input)."""
-        for t in tree_leaves(value):
-            if isinstance(t, torch.Tensor):
-                _, whole, partial = self.of(t)
-                self.whole |= whole
-                self.partial |= partial
+        for t in tensors(value):
+            _, whole, partial = self.of(t)
+            self.whole |= whole
+            self.partial |= partial
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        states = [self.of(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        states = [self.of(t) for t in tensors((args, kwargs))]
         if states:
             split = any(s[0] for s in states)
             reach = frozenset().union(*(s[1] | s[2] for s in states)) if split else _NONE

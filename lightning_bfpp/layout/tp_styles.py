@@ -5,6 +5,7 @@ local tensors by their module's forward, and a block computed whole on the gathe
 Each gives the gradients of one process."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -166,11 +167,14 @@ def whole_block():
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def apply(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters))  # by position or by keyword
+
         def before(_module, args, kwargs):
             if args:
                 return (replicated(args[0], mesh, True, True), *args[1:]), kwargs
-            key = next(iter(kwargs))
-            return args, {**kwargs, key: replicated(kwargs[key], mesh, True, True)}
+            if first in kwargs:
+                return args, {**kwargs, first: replicated(kwargs[first], mesh, True, True)}
+            return args, kwargs
 
         def shard(x: Any) -> Any:
             if not isinstance(x, torch.Tensor) or x.dim() <= SEQUENCE_DIM:

@@ -2,11 +2,11 @@
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama|qwen2|mistral|gemma3: Mistral's layers attend within a sliding window; Gemma 3 mixes
-sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding and soft-caps its
-logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor
-parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global), precision, ac
-(activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
+Config keys: family (gpt2|llama|qwen2|mistral|gemma3|qwen3|olmo2|olmoe|mixtral: Mistral's layers attend within a sliding
+window; Gemma 3 mixes sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding
+and soft-caps its logits; see hf_model), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads
+(default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global),
+precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
 (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
 CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
 batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each
@@ -31,6 +31,8 @@ from lightning_bfpp.hf import CausalLM
 from lightning_bfpp.layout.tensor_parallel import tp_sharded
 
 VOCAB, SEQ, WIDTH, SAMPLES, LR = 64, 16, 32, 64, 0.5
+# the mixtures of experts: 2 of 4 experts per token, the router loss on (output_router_logits)
+ROUTER = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.5}
 
 
 def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int = 0, kv_heads: int = 1):
@@ -44,41 +46,33 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                       tie_word_embeddings=True if tie is None else tie, attn_implementation=attn)
         return transformers.GPT2LMHeadModel(cfg)
-    if family == "gemma3":
-        cfg = transformers.Gemma3TextConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                            vocab_size=VOCAB, max_position_embeddings=SEQ,
-                                            layer_types=["sliding_attention", "full_attention"],
-                                            sliding_window=SEQ // 4, final_logit_softcapping=5.0,
-                                            tie_word_embeddings=True if tie is None else tie,
-                                            attn_implementation=attn)
-        return transformers.Gemma3ForCausalLM(cfg)
-    if family == "mistral":  # sliding-window attention in every layer
-        cfg = transformers.MistralConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                                         num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
-                                         max_position_embeddings=SEQ, sliding_window=SEQ // 4,
-                                         tie_word_embeddings=bool(tie), attn_implementation=attn)
-        return transformers.MistralForCausalLM(cfg)
-    if family == "qwen2":  # ties its embeddings
-        cfg = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                                       num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
-                                       max_position_embeddings=SEQ, tie_word_embeddings=True if tie is None else tie,
-                                       attn_implementation=attn)
-        return transformers.Qwen2ForCausalLM(cfg)
-    if family in ("mixtral", "qwen3_moe"):  # mixtures of 4 experts, 2 per token, with the router loss on
-        common = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=WIDTH, num_attention_heads=2,
-                      num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5,
-                      tie_word_embeddings=bool(tie), attn_implementation=attn)
-        if family == "mixtral":
-            return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=WIDTH,
-                                                                            head_dim=16, **common))
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                                   num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
-                                   max_position_embeddings=SEQ, tie_word_embeddings=False if tie is None else tie,
-                                   attn_implementation=attn)
-    return transformers.LlamaForCausalLM(cfg)
+    common = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=2,
+                  num_key_value_heads=kv_heads, vocab_size=VOCAB, max_position_embeddings=SEQ, attn_implementation=attn)
+    if tie is not None:
+        common["tie_word_embeddings"] = tie
+    families = {  # besides the common sizes; the family's own default for tied embeddings unless `tie`
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),  # ties its embeddings
+        "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": SEQ // 4}),  # every layer sliding
+        # sliding-window and full attention layers, each with its own rotary cos/sin, a scaled embedding, soft-capped
+        # logits, q/k norms over heads
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                   {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": SEQ // 4,
+                    "final_logit_softcapping": 5.0, "tie_word_embeddings": True}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),  # q/k norms over heads
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),  # q/k norms over the whole projection
+        # no base_model_pp_plan: its layers found from the model's layer list; experts kept whole under tensor parallel
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"intermediate_size": WIDTH // 2, "num_experts": 4,
+                                                      "num_experts_per_tok": 2}),
+        # mixtures of 4 experts, 2 per token, with the router loss on (Mixtral:
+        # stored by transformers 5 one expert per key under older names (block_sparse_moe.experts.E.w1), fused in the
+        # model (mlp.experts.gate_up_proj)
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, **ROUTER}),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": WIDTH,
+                                                                "head_dim": 16, **ROUTER}),
+    }
+    config, model, extra = families[family]
+    return getattr(transformers, model)(getattr(transformers, config)(**{**extra, **common}))
 
 
 def dataset(ignored: bool = False) -> TensorDataset:

@@ -1,6 +1,7 @@
-"""Hugging Face GPT-2, Llama, Qwen2 and Gemma 3 (tiny, random init; Llama and Qwen2 also saved and loaded per stage with
-CausalLM.from_pretrained) under bfpp equal the plain HF model trained in one process, and the exported checkpoint loads
-into the plain HF class with strict=True (no key map)."""
+"""Hugging Face GPT-2, Llama, Qwen2, Gemma 3, Qwen3, OLMo 2 and OLMoE (tiny, random init; Llama, Qwen2 and Mixtral also
+saved and loaded per stage with CausalLM.from_pretrained, Mixtral's experts stored one per key under older names) under
+bfpp, with tensor and sequence parallel by each model's own plan, equal the plain HF model trained in one process, and
+the exported checkpoints load into the plain HF class with strict=True (no key map)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ STEPS, BATCH = 3, 8
 # pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
 CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True},
            {"family": "gpt2", "attn": "eager"}]
-# saved with save_pretrained (Llama in several shards, Qwen2 tied), loaded with CausalLM.from_pretrained per stage
-PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True}]
+# saved with save_pretrained (Llama in several shards, Qwen2 tied, Mixtral's experts one per key under older names:
+# transformers' conversions fuse them), loaded with CausalLM.from_pretrained per stage
+PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pretrained": True},
+              {"family": "mixtral", "pretrained": True}]
 # fine-tuning data: prompt and padding targets of -100, the loss counting the others (the mean over the global batch's
 # counted targets): pp=2 x loops=2 x m=4 at dp 2 (one row per micro-batch), with accumulate_grad_batches=2, and at dp 1
 COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ignored": True, "accumulate": 2}]
@@ -37,17 +40,25 @@ RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0], PACKED[
         4: [*CONFIGS, *PRETRAINED, *COUNTED, PACKED[0], *ROUTED]}  # dp 2
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
 # heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
-# sequence parallel ("sp") too. Two launches: the first in `make test`, the second (slow) in CI.
+# sequence parallel ("sp") too. Qwen3 (tied) normalizes q and k per head (replicated_with_grad_allreduce), OLMo 2 over
+# the whole projection (colwise_gather_output, rowwise_split_input), Gemma 3 mixes sliding and full layers, OLMoE has no
+# base_model_pp_plan and keeps its experts whole; each exports to out/ckpt-FAMILY. Three launches: the first in
+# `make test`, the others (slow) in CI.
+FAMILIES_49 = [("qwen3", {"tie": True}), ("olmo2", {}), ("gemma3", {}), ("olmoe", {})]
 TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp=2 on 8 processes
     "sp": (4, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True},
                {"family": "qwen2", "tp": 2, "kv_heads": 2, "sp": True},
                {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "ignored": True},
-               {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "packed": True}]),
+               {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "packed": True},
+               *({"family": f, "tp": 2, "kv_heads": 2, "sp": True, "export": True, **c} for f, c in FAMILIES_49)]),
     "slow": (4, [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
                  {"family": "mistral", "tp": 2, "kv_heads": 2},
                  {"family": "mistral", "tp": 2, "kv_heads": 2, "sp": True},
-                 {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "precision": "bf16-mixed"}]),
-    "dp2": (8, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True}, {"family": "qwen2", "tp": 2, "kv_heads": 2}]),
+                 {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "precision": "bf16-mixed"},
+                 *({"family": f, "tp": 2, "kv_heads": 2, **c} for f, c in FAMILIES_49)]),
+    "dp2": (8, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
+                *({"family": f, "tp": 2, "kv_heads": 2, "sp": i % 2 == 0, **c}  # Qwen3 and Gemma 3 with sp
+                  for i, (f, c) in enumerate(FAMILIES_49))]),
 }
 TP_RUNS = [(launch, i, c) for launch, (_, configs) in TP_LAUNCHES.items() for i, c in enumerate(configs)
            if "precision" not in c and not c.get("packed")]
@@ -103,14 +114,19 @@ def _data_parallel_plan(devices: int, out: Path) -> tuple[int, list[dict]]:
             c["pretrained"] = str(saved_model(out, c["family"]))
     if devices == 4:
         configs[0]["save"] = str(out / "ckpt")
+        next(c for c in configs if c["family"] == "mixtral")["save"] = str(out / "ckpt-mixtral")
     return devices, configs
 
 
 def _tensor_parallel_plan(name: str, out: Path) -> tuple[int, list[dict]]:
-    """TP_LAUNCHES[name]; in "slow" the first config saves its checkpoint to out/ckpt."""
+    """TP_LAUNCHES[name]; in "slow" the first config saves its checkpoint to out/ckpt, "export" configs to
+    out/ckpt-FAMILY."""
     devices, configs = TP_LAUNCHES[name][0], [dict(c) for c in TP_LAUNCHES[name][1]]
     if name == "slow":
         configs[0]["save"] = str(out / "ckpt")
+    for c in configs:
+        if c.pop("export", False):
+            c["save"] = str(out / f"ckpt-{c['family']}")
     return devices, configs
 
 
@@ -181,12 +197,14 @@ def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
 
 @pytest.mark.parametrize("name, index", [(n, i) if n == "sp" else pytest.param(n, i, marks=pytest.mark.slow)
                                          for n, i, _ in TP_RUNS],
-                         ids=[f"{n}-" + c["family"] + ("-sp" if c.get("sp") else "") for n, _, c in TP_RUNS])
+                         ids=[f"{n}-" + c["family"] + ("-sp" if c.get("sp") else "") + ("-ignored" if c.get("ignored")
+                              else "") for n, _, c in TP_RUNS])
 def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, index):
     devices, configs = TP_LAUNCHES[name]
     cfg, dp = configs[index], devices // 4  # pp=2 x tp=2
     records = tp_runs(name)[index]
-    model, losses, _ = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"], ignored=cfg.get("ignored", False))
+    model, losses, _ = reference(cfg["family"], dp, cfg.get("tie"), kv_heads=cfg["kv_heads"],
+                                 ignored=cfg.get("ignored", False))
     expected = dict(model.named_parameters(remove_duplicate=False))
     got = {}
     for rank in records:
@@ -200,8 +218,9 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, inde
     micro_batch = BATCH // dp // 2
     assert max(r["message_bytes"] for r in records) == micro_batch * SEQ * WIDTH * 4 // (2 if cfg.get("sp") else 1)
     split = {n for rank in records for n in rank["tp_split"]}
-    want = {f"model.layers.{i}.{m}.weight" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
-            "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    mlp = () if cfg["family"] == "olmoe" else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # experts: whole
+    want = {f"model.layers.{i}.{m}.weight" for i in range(2)
+            for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", *mlp)}
     want |= set() if model.config.tie_word_embeddings else {"model.embed_tokens.weight", "lm_head.weight"}
     assert {n for n in split if n.endswith("weight")} == want, sorted(split)
 
@@ -214,6 +233,34 @@ def test_hf_tensor_and_sequence_parallel_under_bf16_mixed_follow_fp32(tp_runs):
     got = tp_runs("slow")[index][-1]["losses"]
     _, losses, _ = reference("llama", 1, kv_heads=2)
     assert len(got) == len(losses) and all(abs(a - b) <= BF16_REL * abs(b) for a, b in zip(got, losses)), (got, losses)
+
+
+@pytest.mark.parametrize("family", [f for f, _ in FAMILIES_49])
+def test_tensor_and_sequence_parallel_exports_load_into_the_plain_hf_class(tp_runs, tmp_path, family):
+    """The checkpoints of Qwen3, OLMo 2, Gemma 3 and OLMoE trained at pp=2 x loops=2 x tp=2 with sequence parallel,
+    exported with python -m lightning_bfpp.checkpoint, load into the Hugging Face class with strict=True and hold the
+    weights of the model trained in one process."""
+    cfg = next(c for c in TP_LAUNCHES["sp"][1] if c["family"] == family)
+    checkpoint_cli([str(tp_runs("sp").out / f"ckpt-{family}"), str(tmp_path / f"{family}.pt")])
+    model = hf_model(family, cfg.get("tie"), seed=1, kv_heads=2)  # other weights before loading
+    model.load_state_dict(torch.load(tmp_path / f"{family}.pt", weights_only=True)["state_dict"], strict=True)
+    trained, _, _ = reference(family, 1, cfg.get("tie"), kv_heads=2)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+
+
+def test_a_converted_pretrained_checkpoint_exports_under_the_models_own_names(runs, tmp_path):
+    """Mixtral saved by transformers 5 (experts one per key, older names), trained from CausalLM.from_pretrained at
+    pp=2 x loops=2 x dp=2: its export holds the model's own (fused) names and loads into MixtralForCausalLM with
+    strict=True, with the weights of the HF model loaded by its own from_pretrained and trained in one process."""
+    launch = runs(4)
+    checkpoint_cli([str(launch.out / "ckpt-mixtral"), str(tmp_path / "mixtral.pt")])
+    model = hf_model("mixtral", seed=1)
+    model.load_state_dict(torch.load(tmp_path / "mixtral.pt", weights_only=True)["state_dict"], strict=True)
+    trained, _, _ = reference("mixtral", 2, pretrained=saved_model(launch.out, "mixtral"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # fused in the model
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
 
 
 @pytest.mark.slow

@@ -211,12 +211,60 @@ def test_a_decoder_layer_issues_the_collectives_the_simulator_counts(sequence_pa
     assert forward == backward == BLOCK_COLLECTIVES[sequence_parallel]
 
 
-def test_sequence_parallel_refuses_a_decoder_child_it_cannot_shard():
+def test_sequence_parallel_computes_a_block_the_plan_keeps_whole_on_the_gathered_sequence():
+    """A decoder block holding weights the plan does not split (a router and experts, a norm over a gathered
+    projection, a user's addition) runs whole on the gathered sequence, its output cut back to this rank's shard; a
+    split block's row-wise projections reduce-scatter, those of a whole block all-reduce."""
     model = build("llama", num_key_value_heads=2)
-    # e.g. a user's addition
+    model.model.layers[0].adapter = torch.nn.Linear(SMALL["hidden_size"], SMALL["hidden_size"])  # e.g. a user's
+    plan = _plans(model, sequence_parallel=True)["model.layers.0"]
+    assert plan["adapter"] == "WholeBlock" and plan["self_attn"] == "ReplicatedInput"
+    olmoe = CausalLM(build("olmoe", num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
+    layer = olmoe.pipeline_layers()[1]
+    plan = olmoe.pipeline_tp_plan("model.layers.0", layer, 2, sequence_parallel=True)
+    assert type(plan["mlp"]).__name__ == type(plan["self_attn"]).__name__ == "WholeBlock"  # experts; q/k norms
+    assert plan["self_attn.o_proj"].output_layouts == (torch.distributed.tensor.Replicate(),)
+
+
+def test_weights_kept_whole_that_compute_with_split_heads_get_their_gradients_summed():
+    """Apertus' MLP activation has weights of its own (xIELU) between the column- and the row-wise projection: its plan
+    keeps them whole, so each rank's gradient is its share of the features, summed over tp (found by following the
+    layer on the meta device). DeepSeek-V3's latent norms read whole tensors: they stay as they are."""
+    plan = _plans(build("apertus", num_key_value_heads=2))["model.layers.0"]
+    assert plan["mlp.act_fn"] == "SummedGradParameters" and plan["mlp"] == "ReplicatedInput"
+    deepseek = _plans(build("deepseek_v3", num_key_value_heads=2, head_dim=4, q_lora_rank=16, kv_lora_rank=16,
+                            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=2))
+    layer = deepseek["model.layers.0"]
+    assert layer["self_attn.kv_a_proj_with_mqa"] == "LatentProjection"
+    assert "self_attn.q_a_layernorm" not in layer and "self_attn" not in layer  # whole: each projection sums its own
+
+
+def test_a_weight_kept_whole_that_computes_both_ways_is_refused():
+    class ScaledMLP(torch.nn.Module):  # `scale` multiplies the whole input and this rank's hidden units
+        def __init__(self, width: int, hidden: int):
+            super().__init__()
+            self.gate_proj, self.up_proj = torch.nn.Linear(width, hidden), torch.nn.Linear(width, hidden)
+            self.down_proj = torch.nn.Linear(hidden, width)
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return self.down_proj(self.gate_proj(x * self.scale) * self.up_proj(x) * self.scale)
+
+    model = build("llama", num_key_value_heads=2)
+    model.model.layers[0].mlp = ScaledMLP(SMALL["hidden_size"], SMALL["intermediate_size"])
+    with pytest.raises(ValueError, match=r"tensor_parallel=2: LlamaForCausalLM's plan keeps mlp.scale whole, and it "
+                                         r"computes both with this rank's share of a split projection and with whole "
+                                         r"tensors"):
+        _plans(model)
+
+
+def test_sequence_parallel_refuses_a_decoder_child_split_outside_a_block():
+    model = build("llama", num_key_value_heads=2)
     model.model.layers[0].adapter = torch.nn.Linear(SMALL["hidden_size"], SMALL["hidden_size"])
+    model._tp_plan["model.layers.*.adapter"] = "colwise"
     with pytest.raises(ValueError, match=r"sequence_parallel=True: LlamaForCausalLM's decoder layer has adapter "
-                                         r"\(Linear\), which is neither a norm nor split by the model's plan"):
+                                         r"\(Linear\) split as 'colwise' by the model's plan, outside an attention or "
+                                         r"MLP block"):
         _plans(model, sequence_parallel=True)
 
 
@@ -226,11 +274,14 @@ def test_sequence_parallel_refuses_a_decoder_child_it_cannot_shard():
                   r"\[1\]"),
     ("gpt2", {}, r"GPT2LMHeadModel has no tensor-parallel plan .* subclass CausalLM and return each layer's plan"),
     ("gemma3_text", {"num_key_value_heads": 2},
-     r"splits model.layers.0.self_attn.q_norm as 'replicated_with_grad_allreduce', which lightning_bfpp cannot "
-     r"translate"),
+     r"tensor_parallel=2: Gemma3ForCausalLM's tensor-parallel plan splits model.layers.0.self_attn.q_norm as "
+     r"'all_reduce', which lightning_bfpp cannot translate \(it knows colwise, .*\). Use tensor_parallel=1, or "
+     r"subclass CausalLM and return this layer's plan from pipeline_tp_plan"),
 ])
 def test_a_plan_that_cannot_run_is_refused_naming_the_rule(model_type, overrides, message):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)) \
         if model_type == "gpt2" else build(model_type, **overrides)
+    if model_type == "gemma3_text":  # a style transformers has, with no translation here
+        model._tp_plan["model.layers.*.self_attn.q_norm"] = "all_reduce"
     with pytest.raises(ValueError, match=message):
         _plans(model)

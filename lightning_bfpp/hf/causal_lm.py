@@ -70,7 +70,7 @@ class CausalLM(PipelineHooks, LightningModule):
             raise ValueError(f"CausalLM(pretrained={str(pretrained)!r}) fills a model built on the meta device; this "
                              f"{type(model).__name__} holds weights already: use CausalLM.from_pretrained(path).")
         # the stored tensors, read per module when bfpp (or configure_model) materializes it
-        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model))
+        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model), model)
                                      if pretrained is not None else None)
         own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
         if own:
@@ -108,8 +108,9 @@ class CausalLM(PipelineHooks, LightningModule):
         config fields, ``attn_implementation``, ``dtype``, ``trust_remote_code``, ``revision``, ``token``,
         ``cache_dir``, ``subfolder``, as for Hugging Face's own; the default dtype is torch's default (fp32, or what
         ``trainer.init_module()`` sets), not the file's (``dtype="auto"``): stored bf16 weights train as fp32 master
-        weights under ``precision="bf16-mixed"``. A parameter the files do not store under the model's names (nor
-        a tied or base-model name) is an error: transformers' key renaming at load is not applied.
+        weights under ``precision="bf16-mixed"``. Stored keys are converted as the installed transformers converts them
+        at load (renamed keys, experts stored one per key and fused in the model); a parameter the files do not store
+        (under its name, a tied or base-model name, or keys converted into it) is an error.
         The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory)."""
         hub = {k: hf_kwargs.pop(k) for k in HUB_KWARGS if k in hf_kwargs}
         directory = local_directory(name_or_path, hub, bool(hf_kwargs.get("trust_remote_code")))

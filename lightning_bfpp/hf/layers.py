@@ -1,7 +1,7 @@
-"""A Hugging Face causal language model (GPT-2, and the Llama family: any model whose config has a
-`base_model_pp_plan`) as ordered pipeline layers: its decoder layers as they are, or wrapped without being
-registered (embedding, final norm + head, decoder layers of models that mix attention types), so stages and
-checkpoints keep the model's own parameter names."""
+"""A Hugging Face causal language model (GPT-2, any model whose config has a `base_model_pp_plan`, and models whose
+base model is an embedding, one list of decoder layers and a final norm) as ordered pipeline layers: its decoder layers
+as they are, or wrapped without being registered (embedding, final norm + head, decoder layers of models that mix
+attention types), so stages and checkpoints keep the model's own parameter names."""
 from __future__ import annotations
 
 from typing import Any
@@ -94,25 +94,54 @@ def base_model(model: nn.Module) -> nn.Module:
     return getattr(model, "model", base) if base is model else base
 
 
+def decoder_stack(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: GPT-2's ``h``, the ``ModuleList`` its ``base_model_pp_plan`` names, else the base
+    model's one ``ModuleList`` of ``config.num_hidden_layers`` blocks."""
+    base, config = base_model(model), model.config
+    plan = getattr(config, "base_model_pp_plan", None)
+    children = [getattr(base, name, None) for name in plan] if plan else list(base.children())
+    n = getattr(config, "num_hidden_layers", None)
+    stacks = [m for m in children if isinstance(m, nn.ModuleList) and (plan or len(m) == n)]
+    if len(stacks) != 1:
+        raise ValueError(
+            f"lightning_bfpp.hf finds a model's decoder layers as the one ModuleList of num_hidden_layers={n} blocks "
+            f"in its base model; {type(model).__name__}'s {type(base).__name__} has {len(stacks)}: list its layers in "
+            "pipeline_layers() yourself (docs/huggingface.md)."
+        )
+    return stacks[0]
+
+
+def _around_the_stack(model: nn.Module, base: nn.Module) -> list[nn.Module]:
+    """[embedding, decoder layers, final norm] of a model whose config has no ``base_model_pp_plan``: the base model's
+    input embedding and one ``ModuleList`` of decoder layers, and its one other module holding weights, the final
+    norm (CausalLM's construction check then proves that they reproduce the model's logits)."""
+    stack, embedding = decoder_stack(model), model.get_input_embeddings()
+    others = [name for name, m in base.named_children()
+              if m is not stack and m is not embedding and next(m.parameters(), None) is not None]
+    if embedding is None or not any(m is embedding for m in base.children()) or len(others) != 1:
+        raise ValueError(
+            f"{type(model).__name__} has no base_model_pp_plan, and its {type(base).__name__} is not an embedding, "
+            f"one ModuleList of decoder layers and a final norm (it also holds {others}): list its layers in "
+            "pipeline_layers() yourself (docs/huggingface.md)."
+        )
+    return [embedding, stack, getattr(base, others[0])]
+
+
 def causal_lm_layers(model: nn.Module) -> list[nn.Module]:
     """`model` (a ``*ForCausalLM``) as ordered pipeline layers: its decoder layers as they are (wrapped when they
     mix attention types), plus an input and an output layer wrapping its embedding and its final norm +
-    ``lm_head``."""
+    ``lm_head``. The modules come from the config's ``base_model_pp_plan``, or, without one, from the base model's
+    layer list (``decoder_stack``) with the embedding before it and the final norm after it."""
     base, head, config = base_model(model), model.get_output_embeddings(), model.config
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding (lm_head): pass a *ForCausalLM model.")
     if all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):  # GPT-2 layout
         return [TokenEmbedding(base.wte, base.wpe, base.drop), *base.h, OutputHead(base.ln_f, head, config)]
     plan = getattr(config, "base_model_pp_plan", None)
-    if not plan:
-        raise ValueError(
-            "lightning_bfpp.hf knows GPT-2 and models whose config has base_model_pp_plan (Llama, Mistral, Qwen2, "
-            f"...); {type(model).__name__} has neither: list its layers in pipeline_layers() yourself "
-            "(docs/huggingface.md)."
-        )
+    modules = [getattr(base, name) for name in plan] if plan else _around_the_stack(model, base)
     types = attention_types(model)
     mixed = len(set(types)) > 1
-    *body, norm = [getattr(base, name) for name in plan]  # e.g. embed_tokens, layers, norm
+    *body, norm = modules  # e.g. embed_tokens, layers, norm
     layers: list[nn.Module] = []
     for mod in body:
         if isinstance(mod, nn.ModuleList):

@@ -1,18 +1,20 @@
 """Pretrained Hugging Face weights read per stage. `CausalLM.from_pretrained` builds the model on the meta device
 (`build_on_meta`); after the cut, each rank reads only its own tensors from the model's safetensors files
-(`SafetensorsWeights`: memory-mapped, one file open at a time, sharded indexes included). Nothing is downloaded
-unless the name is not a local directory and the network allows it."""
+(`SafetensorsWeights`: memory-mapped, sharded indexes included), converting stored keys as transformers does at load
+(`stored_keys`). Nothing is downloaded unless the name is not a local directory and the network allows it."""
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from .stored_keys import StoredKeys
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 MODEL_KWARGS = ("attn_implementation", "dtype", "torch_dtype", "trust_remote_code")  # for the model, not its config
@@ -105,9 +107,10 @@ def own_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 class SafetensorsWeights:
     """The tensors of a directory saved by ``save_pretrained`` (``model.safetensors``, or shards listed in
-    ``model.safetensors.index.json``), read by name on demand."""
+    ``model.safetensors.index.json``), read by name on demand: under the model's names (or a tied or base-model name,
+    `aliases`), else made from the stored keys transformers converts into them at load (`model`'s conversions)."""
 
-    def __init__(self, directory: Path, aliases: dict[str, list[str]]):
+    def __init__(self, directory: Path, aliases: dict[str, list[str]], model: nn.Module | None = None):
         from safetensors import safe_open
 
         self.directory, self.aliases, self._open = directory, aliases, safe_open
@@ -122,41 +125,55 @@ class SafetensorsWeights:
                 f"CausalLM.from_pretrained: {directory} has no {SINGLE} or {INDEX} (it has {found}); bfpp reads "
                 "safetensors only: save the model with save_pretrained(dir) (safe_serialization is the default)."
             )
+        self.converted = StoredKeys(model, self.file_of) if model is not None else None
         self.missing: list[str] = []
 
     def key(self, name: str) -> str | None:
         """The stored key of parameter or buffer `name` (itself, or a name tied to it), or None."""
         return next((k for k in (name, *self.aliases.get(name, ())) if k in self.file_of), None)
 
+    def stores(self, name: str) -> bool:
+        return self.key(name) is not None or self.converted is not None and self.converted.makes(name)
+
     def stores_all(self, prefix: str, module: nn.Module) -> bool:
-        return all(self.key(prefix + n) is not None for n in own_state(module))
+        return all(self.stores(prefix + n) for n in own_state(module))
 
     @torch.no_grad()
     def load(self, prefix: str, module: nn.Module) -> None:
         """Copy the stored values into `module`'s own parameters and persistent buffers (cast to their dtype); a
         parameter not stored is an error, a buffer not stored is recorded in `missing`."""
-        by_file: dict[str, list[tuple[torch.Tensor, str]]] = {}
         params = {n for n, _ in module.named_parameters(recurse=False)}
-        for n, target in own_state(module).items():
-            key = self.key(prefix + n)
-            if key is None and n in params:
-                some = ", ".join(list(self.file_of)[:3])
-                raise ValueError(
-                    f"CausalLM.from_pretrained: {self.directory} stores no {prefix + n} (nor a name tied to it); it "
-                    f"stores e.g. {some}. transformers renames some models' stored keys when it loads them "
-                    "(mixture-of-experts layers, older formats); bfpp reads the names the model has. Load it in "
-                    "memory instead: CausalLM(XForCausalLM.from_pretrained(path)), or save it again with "
-                    "save_pretrained from such a model."
-                )
-            if key is None:
-                self.missing.append(prefix + n)
-            else:
-                by_file.setdefault(self.file_of[key], []).append((target, key))
-        for file, pairs in by_file.items():
-            with self._open(self.directory / file, framework="pt") as f:  # memory-mapped; closed after this module
-                for target, key in pairs:
-                    value = f.get_tensor(key)
-                    if value.shape != target.shape:
-                        raise ValueError(f"CausalLM.from_pretrained: {key} in {self.directory / file} has shape "
-                                         f"{tuple(value.shape)}; the model's config makes it {tuple(target.shape)}.")
-                    target.copy_(value)
+        with ExitStack() as files:  # memory-mapped; closed after this module
+            opened: dict[str, Any] = {}
+
+            def read(key: str) -> torch.Tensor:
+                file = self.file_of[key]
+                if file not in opened:
+                    opened[file] = files.enter_context(self._open(self.directory / file, framework="pt"))
+                return opened[file].get_tensor(key)
+
+            for n, target in own_state(module).items():
+                name, key = prefix + n, self.key(prefix + n)
+                if key is not None:
+                    value, where = read(key), f"{key} in {self.directory / self.file_of[key]}"
+                elif self.stores(name):
+                    value, where = self.converted.make(name, read), f"{name} made from {self._sources(name)}"
+                elif n in params:
+                    some = ", ".join(list(self.file_of)[:3])
+                    raise ValueError(
+                        f"CausalLM.from_pretrained: {self.directory} stores no {name} (nor a name tied to it, nor keys "
+                        f"the installed transformers converts into it); it stores e.g. {some}. Load it in memory "
+                        "instead: CausalLM(XForCausalLM.from_pretrained(path)), or save it again with save_pretrained "
+                        "from such a model."
+                    )
+                else:
+                    self.missing.append(name)
+                    continue
+                if value.shape != target.shape:
+                    raise ValueError(f"CausalLM.from_pretrained: {where} has shape {tuple(value.shape)}; the model's "
+                                     f"config makes it {tuple(target.shape)}.")
+                target.copy_(value)
+
+    def _sources(self, name: str) -> str:
+        keys = self.converted.stored_keys(name)
+        return f"{keys[0]}" + (f" and {len(keys) - 1} more stored keys" if len(keys) > 1 else "")

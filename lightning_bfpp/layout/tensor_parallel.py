@@ -23,7 +23,7 @@ Plans = dict[int, tuple[str, nn.Module, dict]]  # id(layer) -> (layer name, laye
 SEQUENCE_DIM = 1  # sequence parallel splits activations (B, T, ...) along T
 
 
-def _replicated(x: Any, mesh: DeviceMesh, sharded: bool, local: bool) -> Any:
+def replicated(x: Any, mesh: DeviceMesh, sharded: bool, local: bool) -> Any:
     """`x` as one tensor replicated over tp: all-gathered from this rank's sequence shard (`sharded`; its gradient
     reduce-scattered in backward), or, already whole, marked replicated (no communication; its gradient, summed over
     every reader, all-reduced once). A DTensor, or its local tensor with `local`."""
@@ -46,9 +46,9 @@ def _replicate_first_input(sharded: bool, use_local_output: bool):
 
             def before(_module, args, kwargs):
                 if args:
-                    return (_replicated(args[0], device_mesh, sharded, use_local_output), *args[1:]), kwargs
+                    return (replicated(args[0], device_mesh, sharded, use_local_output), *args[1:]), kwargs
                 if first in kwargs:
-                    kwargs = {**kwargs, first: _replicated(kwargs[first], device_mesh, sharded, use_local_output)}
+                    kwargs = {**kwargs, first: replicated(kwargs[first], device_mesh, sharded, use_local_output)}
                 return args, kwargs
 
             module.register_forward_pre_hook(before, with_kwargs=True)
@@ -84,19 +84,20 @@ def replicated_output():
     return PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate(), use_local_output=False)
 
 
-def sequence_parallel_norm(gather_output: bool = False):
+def sequence_parallel_norm(gather_output: bool = False, local_output: bool = False):
     """torch's SequenceParallel for a norm (or dropout): it runs on this rank's sequence shard, its weights
     replicated and their gradients summed over tp. With `gather_output` its output is all-gathered for the
-    column-wise modules reading it (Megatron's all-gather after the norm), a replicated DTensor."""
+    column-wise modules reading it (Megatron's all-gather after the norm), a replicated DTensor; with `local_output`
+    it is the shard as a plain tensor (a norm whose output meets plain tensors: a post-norm's residual sum)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     class GatheredSequenceParallel(SequenceParallel):
         def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
             module = super()._apply(module, device_mesh)
-            module.register_forward_hook(lambda _m, _args, out: _replicated(out, device_mesh, True, False))
+            module.register_forward_hook(lambda _m, _args, out: replicated(out, device_mesh, True, False))
             return module
 
-    return GatheredSequenceParallel() if gather_output else SequenceParallel()
+    return GatheredSequenceParallel() if gather_output else SequenceParallel(use_local_output=local_output)
 
 
 def sequence_scatter():

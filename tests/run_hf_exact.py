@@ -8,9 +8,10 @@ logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv
 parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global), precision, ac
 (activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
 (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
-CausalLM.from_pretrained, built on the meta device).
+CausalLM.from_pretrained, built on the meta device), ep (expert_parallel).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
-[names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent}.
+[names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
+"expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.hf import CausalLM
+from lightning_bfpp.layout.experts import experts_modules
 from lightning_bfpp.layout.tensor_parallel import tp_sharded
+from lightning_bfpp.runtime.instrument import local_bytes
 
 VOCAB, SEQ, WIDTH, SAMPLES, LR = 64, 16, 32, 64, 0.5
 
@@ -121,7 +124,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2),
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
                             sequence_parallel=cfg.get("sp"),
-                            activation_checkpointing=cfg.get("ac", False),
+                            activation_checkpointing=cfg.get("ac", False), expert_parallel=cfg.get("ep", 1),
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
@@ -136,8 +139,13 @@ def run(cfg: dict, devices: int, out: Path) -> None:
               for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
+    experts = [p for _, m in experts_modules(model) for p in m.parameters(recurse=False)]
+    state = trainer.optimizers[0].state
     torch.save({"params": params, "losses": record.losses, "aux_losses": record.aux_losses, "tp_split": split,
-                "message_bytes": strategy.runner.message_bytes}, out / f"rank{trainer.global_rank}.pt")
+                "message_bytes": strategy.runner.message_bytes, "expert_bytes": local_bytes(experts),
+                "expert_state_bytes": local_bytes(v for p in experts for v in state.get(p, {}).values()
+                                                  if isinstance(v, torch.Tensor))},
+               out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama|qwen2|mistral|gemma3: Mistral's layers attend within a sliding window; Gemma 3 mixes
+Config keys: family (gpt2|llama|qwen2|mistral|gemma3|mixtral|qwen3_moe|deepseek_v3: Mistral's layers attend within a
+sliding window; the mixtures of experts Mixtral and Qwen3-MoE train their router loss, DeepSeek-V3 has a shared expert
+beside its routed ones and latent attention; Gemma 3 mixes
 sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding and soft-caps its
 logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor
 parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global), precision, ac
@@ -74,6 +76,13 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
             return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=4, **common))
         return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=WIDTH,
                                                                             head_dim=16, **common))
+    if family == "deepseek_v3":  # 4 routed experts (2 per token) and a shared one; multi-head latent attention
+        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, moe_intermediate_size=WIDTH,
+            num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            n_group=1, topk_group=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, vocab_size=VOCAB, max_position_embeddings=SEQ,
+            tie_word_embeddings=bool(tie), attn_implementation=attn))
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
                                    num_attention_heads=2, num_key_value_heads=kv_heads, vocab_size=VOCAB,
                                    max_position_embeddings=SEQ, tie_word_embeddings=False if tie is None else tie,

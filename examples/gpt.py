@@ -313,6 +313,11 @@ class GPT(PipelineHooks, L.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.pipeline_forward(idx)
 
+    def _loss(self, batch) -> torch.Tensor:
+        """The batch's training loss (with a mixture of experts' router loss), as one process trains it."""
+        x, y = self.pipeline_inputs(batch)
+        return mean_loss(self.pipeline_loss(self(x), y))
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = self.pipeline_inputs(batch)
         output = self(x)

@@ -19,8 +19,9 @@ class ExpertParallelForward:
     """Installed as an experts module's ``forward`` (``layout.experts.distribute_experts``): dispatch, this rank's
     experts, combine. `group`: the expert-parallel process group; `part`: this rank's index in it.
 
-    Statistics of the last call (for measurements): ``sent_rows`` (picks sent to other ranks and back) and
-    ``sent_bytes`` (bytes this rank sent in its two all-to-alls of hidden states, counting its own part as 0)."""
+    Statistics of the last call (for measurements): ``dispatched_bytes``, the hidden states of all this rank's
+    picks (tokens x k rows, its own experts' included: the simulator's ``Layers.a2a_bytes`` per sample x samples),
+    and ``sent_bytes``, what it sent to other ranks in its dispatch and combine all-to-alls."""
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup, part: int):
         self.module, self.group = module, group
@@ -29,7 +30,7 @@ class ExpertParallelForward:
         self.local = self.num_experts // self.ranks
         self.first, self.part = part * self.local, part
         self.view = _LocalView(module, self.local)
-        self.sent_rows = self.sent_bytes = 0
+        self.dispatched_bytes = self.sent_bytes = 0
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -52,8 +53,9 @@ class ExpertParallelForward:
         out = self.view.run(received, local_ids, ones)
         back = all_to_all_autograd(out, send, receive, self.group)
         combined = torch.empty_like(back).index_copy(0, order, back)  # back in the picks' order: (token, k)
-        self.sent_rows = rows.shape[0] - send[self.part]
-        self.sent_bytes = (self.sent_rows + sum(receive) - receive[self.part]) * rows.shape[1] * rows.element_size()
+        row_bytes = rows.shape[1] * rows.element_size()
+        self.dispatched_bytes = rows.shape[0] * row_bytes
+        self.sent_bytes = (rows.shape[0] - send[self.part] + sum(receive) - receive[self.part]) * row_bytes
         weighted = combined.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)
         return weighted.sum(1).to(hidden_states.dtype)
 

@@ -112,3 +112,76 @@ def test_grouped_matmul_is_one_matmul_per_expert():
     odd, odd_weights = torch.randn(10, 6), torch.randn(4, 6, 4)  # 24-byte rows: torch's CPU kernel refuses them
     want = torch.cat([odd[0:2] @ odd_weights[0], odd[2:7] @ odd_weights[2], odd[7:10] @ odd_weights[3]])
     torch.testing.assert_close(grouped_matmul(odd, odd_weights, ends), want)
+
+
+# ---- the simulator's mixture of experts (no processes) ----
+def _moe_model():
+    import yaml
+    from launch import ROOT
+
+    from lightning_bfpp.sim import Model
+
+    return Model.from_dict(yaml.safe_load((ROOT / "conf" / "model" / "gpt_moe_tiny.yaml").read_text()))
+
+
+def test_the_simulators_moe_is_the_example_models_shape():
+    """Parameters per pipeline layer, the experts' share and FLOPs per token: the simulator's Model of
+    conf/model/gpt_moe_tiny.yaml against the example GPT built from the same file (one FLOPs formula)."""
+    from gpt import flops_per_token
+
+    model = _moe_model()
+    cfg = GPTConfig(**{k: v for k, v in dataclasses_asdict(model).items()})
+    gpt = GPT(cfg)
+    assert model.layer_params() == [sum(p.numel() for p in layer.parameters()) for layer in gpt.pipeline_layers()]
+    experts = [sum(p.numel() for _, m in experts_modules(layer) for p in m.parameters()) for layer in
+               gpt.pipeline_layers()]
+    assert model.layer_expert_params() == experts and experts[1] > 0
+    assert model.flops_per_token() == flops_per_token(cfg, gpt)
+    # a sample's top_k copies of each token's activation (bf16) per all-to-all
+    assert model.layer_a2a_bytes()[1] == 2 * cfg.block_size * cfg.top_k * cfg.n_embd
+
+
+def dataclasses_asdict(model) -> dict:
+    return dict(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd, block_size=model.seq,
+                vocab_size=model.vocab, n_experts=model.n_experts, top_k=model.top_k)
+
+
+def test_expert_parallel_costs_gather_a_part_of_the_experts_and_add_all_to_alls():
+    from lightning_bfpp.sim import Cluster
+    from lightning_bfpp.sim.cost import build_costs, state_bytes
+
+    model = _moe_model()
+    cluster = Cluster(devices=4, num_nodes=1, flops=1e10, device_memory=8e9, intra_bw=2e9, inter_bw=2e9, latency=5e-5)
+    costs = {ep: build_costs(model, cluster, pipeline_parallel=1, loops=2, data_parallel=4, micro_batch_size=2,
+                             micro_batches=2, expert_parallel=ep) for ep in (1, 2, 4)}
+    for s in range(2):
+        base = costs[1].stages[s]
+        assert base.a2a_forward == base.a2a_backward == 0.0 and base.gathered_params == base.params
+        for ep in (2, 4):
+            st = costs[ep].stages[s]
+            assert st.params == base.params and st.expert_params > 0
+            assert st.gathered_params == base.params - st.expert_params * (1 - 1 / ep)
+            assert st.a2a_forward == st.a2a_backward > 0 and st.unshard < base.unshard
+    assert costs[4].stages[0].a2a_forward > costs[2].stages[0].a2a_forward  # 3/4 of the rows cross, not 1/2
+    # fully sharded, the state per rank is the same; replicated, the experts' part is 1/ep
+    p, whole = 1000.0, 400.0
+    assert state_bytes(p, "full", 4, whole) == state_bytes(p, "full", 4)
+    assert state_bytes(p, "none", 4, whole) == 20 * whole
+
+
+def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_has_more_of_them():
+    """One rank, 4 micro-batches, forward 1 s + 0.5 s of all-to-alls, backward 2 s + 0.5 s. Breadth-first (all
+    forwards F0..F3, then the backwards B0..B3) hides every all-to-all behind the next micro-batch's compute but the
+    step's last; 1F1B (F0 B0 F1 B1 ...) only the backwards' (each forward is followed by its own backward)."""
+    from dataclasses import replace
+
+    from lightning_bfpp.schedule import build_schedule
+    from lightning_bfpp.sim import SimOptions, simulate, unit_costs
+
+    costs = unit_costs(1, 1)
+    costs.stages[0] = replace(costs.stages[0], a2a_forward=0.5, a2a_backward=0.5)
+    times = {}
+    for name in ("gpipe", "1f1b"):
+        schedule = build_schedule(ScheduleSpec(name, pipeline_parallel=1, micro_batches=4))
+        times[name] = [simulate(schedule, costs, SimOptions(expert_overlap=o)).step_time for o in (False, True)]
+    assert times["gpipe"] == [16.0, 12.5] and times["1f1b"] == [16.0, 14.5]

@@ -142,7 +142,8 @@ class Model:
 
     def layer_expert_params(self, tensor_parallel: int = 1) -> list[int]:
         """Of `layer_params`, the experts' per layer (what expert parallel splits)."""
-        return [0] + [self._mlp_params()[1] // tensor_parallel] * self.n_layer + [0]
+        block_experts = self._mlp_params()[1] // tensor_parallel
+        return [0] + [block_experts] * self.n_layer + [0]
 
     def layer_a2a_bytes(self) -> list[float]:
         """Bytes of one of a MoE block's all-to-alls per sample: each token's top_k copies of its activation."""

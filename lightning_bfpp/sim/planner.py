@@ -260,10 +260,11 @@ def _fastest_variant(c: Candidate) -> bool:
 
 def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
     """Cheap pre-filter: the sharded/replicated state of the heaviest rank alone must fit."""
-    ranks = c.pipeline_parallel * c.tensor_parallel
-    per_rank = sum(model.layer_params()) / ranks
-    whole = per_rank - sum(model.layer_expert_params()) * (1 - 1 / c.expert_parallel) / ranks
-    return state_bytes(per_rank, c.sharding, c.data_parallel, whole) < cluster.usable_memory
+    model_split = c.pipeline_parallel * c.tensor_parallel  # a replica's ways of cutting the model
+    local_params = sum(model.layer_params()) / model_split
+    experts_elsewhere = sum(model.layer_expert_params()) * (1 - 1 / c.expert_parallel) / model_split
+    return state_bytes(local_params, c.sharding, c.data_parallel, local_params - experts_elsewhere) \
+        < cluster.usable_memory
 
 
 def search(

@@ -247,11 +247,14 @@ def check_layout(cfg: DictConfig) -> int:
                             groups=_default(get("schedule.groups"), 1))
         dims = ParallelDims(world=devices * nodes, devices_per_node=devices, spec=spec, tensor_parallel=tp,
                             sharding=_default(get("schedule.sharding"), "full"),
-                            sequence_parallel=_default(get("schedule.sequence_parallel"), False))
+                            sequence_parallel=_default(get("schedule.sequence_parallel"), False),
+                            expert_parallel=_default(get("schedule.expert_parallel"), 1))
         n_layer = get("model.n_layer")
+        check_experts_model(cfg)
     names = Names(
         pipeline_parallel="schedule.pipeline_parallel", tensor_parallel="schedule.tensor_parallel",
         sequence_parallel="schedule.sequence_parallel", loops="schedule.loops", groups="schedule.groups",
+        expert_parallel="schedule.expert_parallel",
         micro_batches="schedule.micro_batches" if n_layer is not None else "micro_batches (1 under strategy=auto)",
         sharding="schedule.sharding",
         world="cluster.devices x cluster.num_nodes", devices="cluster.devices", batch="data.batch_size",
@@ -266,6 +269,23 @@ def check_layout(cfg: DictConfig) -> int:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return dims.data_parallel
+
+
+def check_experts_model(cfg: DictConfig) -> None:
+    """schedule.expert_parallel > 1 splits a mixture of experts' experts: the example GPT needs model.n_experts > 0
+    (model=gpt_moe_tiny) divisible by it (other model families are checked by BFPPStrategy against the model)."""
+    ep, family = OmegaConf.select(cfg, "schedule.expert_parallel"), OmegaConf.select(cfg, "model.family") or "gpt"
+    experts = OmegaConf.select(cfg, "model.n_experts") or 0
+    if not is_count(ep) or ep == 1 or family != "gpt":
+        return
+    if not experts:
+        raise ConfigError(f"schedule.expert_parallel={ep} splits the experts of a mixture of experts, and model="
+                          f"{cfg.model.get('name')} has none (model.n_experts={experts}); use model=gpt_moe_tiny (or "
+                          "set model.n_experts), or schedule.expert_parallel=1.")
+    if experts % ep:
+        raise ConfigError(f"schedule.expert_parallel={ep} must divide model.n_experts={experts} (each rank holds "
+                          f"n_experts / expert_parallel of them); use schedule.expert_parallel in "
+                          f"{[d for d in range(1, experts + 1) if experts % d == 0]}.")
 
 
 def corpus_windows(max_bytes: int, val_fraction: float, block_size: int,

@@ -1,9 +1,12 @@
 """The example model — a byte-level, nanoGPT-style GPT as a LightningModule that opts into
-bfpp through PipelineHooks. It trains the same way with or without `strategy="bfpp"`."""
+bfpp through PipelineHooks. It trains the same way with or without `strategy="bfpp"`. With `n_experts` > 0 each
+block's MLP is a mixture of experts (``MoE``; model=gpt_moe_tiny) with its router's load-balancing loss, whose experts
+``BFPPStrategy(expert_parallel=N)`` splits over data-parallel ranks."""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import lightning as L
 import torch
@@ -15,6 +18,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_bfpp.contract.documents import document_causal_mask, document_positions, split_documents
 from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
+from lightning_bfpp.contract.router_loss import load_balancing_loss, router_loss, router_stats
+from lightning_bfpp.contract.step_totals import active_step_totals
 from lightning_bfpp.sim.model import training_flops_per_token
 
 IGNORED = -100  # a target that no loss counts (prompt tokens, padding), as PyTorch's and Hugging Face's losses
@@ -33,6 +38,9 @@ class GPTConfig:
     # switch (strategy=auto); under bfpp examples/train.py passes it to BFPPStrategy(activation_checkpointing=)
     # instead, which checkpoints every layer of every stage, and sets this one to False.
     activation_checkpointing: bool = False
+    n_experts: int = 0  # > 0: each block's MLP is a mixture of this many experts (4 x n_embd wide), top_k per token
+    top_k: int = 2  # experts per token
+    router_aux_loss_coef: float = 0.01  # weight of the router's load-balancing loss in the training loss (0: off)
 
 
 @dataclass
@@ -62,8 +70,64 @@ class Embedding(nn.Module):
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
+def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows (N, K) sorted by expert, weights (E, K, M), ends (E,): expert e's rows end at ends[e] -> (N, M). torch's
+    grouped matmul where it runs (its CPU kernel wants rows of a multiple of 16 bytes), else one matmul per expert."""
+    if hasattr(F, "grouped_mm") and all(d * rows.element_size() % 16 == 0 for d in weights.shape[1:]):
+        return F.grouped_mm(rows, weights, offs=ends.to(torch.int32))
+    starts = [0, *ends.tolist()[:-1]]
+    return torch.cat([rows[a:b] @ w for a, b, w in zip(starts, ends.tolist(), weights)])
+
+
+class Experts(nn.Module):
+    """`n_experts` MLPs (C -> 4C -> C, GELU) as stacked weights, called as transformers' fused experts are:
+    experts(x (N, C), top_k_index (N, k), top_k_weights (N, k)) -> (N, C), each token's picked experts weighted and
+    summed. bfpp's expert parallel splits such a module over data-parallel ranks (lightning_bfpp.layout.experts)."""
+
+    def __init__(self, cfg: GPTConfig, out_std: float) -> None:
+        super().__init__()
+        self.num_experts, self.out_std = cfg.n_experts, out_std
+        self.w_in = nn.Parameter(torch.empty(cfg.n_experts, cfg.n_embd, 4 * cfg.n_embd))
+        self.w_out = nn.Parameter(torch.empty(cfg.n_experts, 4 * cfg.n_embd, cfg.n_embd))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_in, std=0.02)
+        nn.init.normal_(self.w_out, std=self.out_std)  # a residual projection
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        picks = top_k_index.reshape(-1)
+        order = torch.argsort(picks, stable=True)  # (N * k,) picks grouped by expert
+        ends = torch.bincount(picks, minlength=self.num_experts).cumsum(0)
+        h = F.gelu(grouped_matmul(x[order // k], self.w_in, ends))
+        y = grouped_matmul(h, self.w_out, ends)
+        y = torch.empty_like(y).index_copy(0, order, y)  # back in (token, pick) order
+        return (y.view(tokens, k, y.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(1)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: each token goes to its `top_k` experts by router probability (those
+    renormalized as weights). (B, T, C) -> ((B, T, C), the routing statistics of contract.router_loss)."""
+
+    def __init__(self, cfg: GPTConfig, out_std: float) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg, out_std)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x.reshape(-1, x.shape[-1])  # (B * T, C)
+        logits = self.router(h)
+        weights, index = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        out = self.experts(h, index, weights).view_as(x)
+        return out, router_stats(logits, self.top_k, self.experts.num_experts)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C)."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C). With a mixture of
+    experts as its MLP: (x, routing statistics so far) -> (x, statistics with this block's added)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -74,13 +138,14 @@ class Block(nn.Module):
         self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(
+        self.mlp = MoE(cfg, 0.02 / math.sqrt(2 * cfg.n_layer)) if cfg.n_experts else nn.Sequential(
             nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd),
             nn.Dropout(cfg.dropout),
         )
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def _forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, stats: torch.Tensor | None = None,
+                 attn_mask: torch.Tensor | None = None) -> Any:
         h = self.ln_1(x)
         B, T, _ = h.shape  # the whole sequence (under sequence parallel x is this rank's shard; h is gathered)
         # (B, nh, T, hs); under tensor parallel nh is this rank's heads (q/k/v hold n_head / tp heads' columns)
@@ -90,23 +155,31 @@ class Block(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # re-assemble heads: (B, T, nh * hs)
         x = x + self.resid_drop(self.proj(y))
-        return x + self.mlp(self.ln_2(x))
+        if not isinstance(self.mlp, MoE):
+            return x + self.mlp(self.ln_2(x))
+        y, routed = self.mlp(self.ln_2(x))
+        return x + self.resid_drop(y), routed if stats is None else stats + routed
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> Any:
+        """`stats`: the routing statistics of the blocks before (a mixture of experts hands its own on with `x`);
+        `attn_mask`: packed documents' mask (a side input, contract.documents)."""
         if self.checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, attn_mask, use_reentrant=False)
-        return self._forward(x, attn_mask)
+            return checkpoint(self._forward, x, stats, attn_mask, use_reentrant=False)
+        return self._forward(x, stats, attn_mask)
 
 
 class Head(nn.Module):
-    """(B, T, C) -> logits (B, T, V)."""
+    """(B, T, C) -> logits (B, T, V); a mixture's routing statistics, passed along, are kept for the loss."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.last_stats: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        self.last_stats = stats
         return self.lm_head(self.ln_f(x))
 
 
@@ -124,7 +197,14 @@ class GPT(PipelineHooks, L.LightningModule):
                 f"attention heads of equal width); use model.n_head in {heads}, or make model.n_embd a multiple "
                 "of model.n_head."
             )
+        if cfg.n_experts and not (isinstance(cfg.top_k, int) and 1 <= cfg.top_k <= cfg.n_experts):
+            raise ValueError(f"model.top_k={cfg.top_k!r} must be between 1 and model.n_experts={cfg.n_experts} (the "
+                             "experts each token goes to).")
         self.cfg, self.optim = cfg, optim or OptimConfig()
+        # a mixture of experts: the router's loss reads the whole step's routing (bfpp refuses schedules that start a
+        # backward before the step's last forward); the step's totals are kept to log it (pipeline_step_logs)
+        self.pipeline_uses_step_totals = cfg.n_experts > 0
+        self._router_totals = None
         self.embedding = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
@@ -195,6 +275,9 @@ class GPT(PipelineHooks, L.LightningModule):
             sequence_scatter,
         )
 
+        if self.cfg.n_experts:
+            raise ValueError(f"model.n_experts={self.cfg.n_experts}: the example's tensor-parallel plan splits dense "
+                             "MLPs only; set schedule.tensor_parallel=1 (schedule.expert_parallel splits the experts).")
         if self.cfg.n_head % tensor_parallel:
             fits = [t for t in range(1, self.cfg.n_head + 1) if self.cfg.n_head % t == 0]
             raise ValueError(f"model.n_head={self.cfg.n_head} must be divisible by tensor_parallel={tensor_parallel} "
@@ -217,12 +300,31 @@ class GPT(PipelineHooks, L.LightningModule):
         return {**plan, "proj": scatter, "mlp.2": scatter,
                 "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(gather_output=True)}
 
-    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed nats, counted targets): targets of -100 (prompt tokens, padding) are not counted, and bfpp trains
-        the mean over the global batch's counted targets, as one process."""
+    def _lm_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         target = target.reshape(-1)
         loss = F.cross_entropy(output.reshape(-1, output.shape[-1]), target, ignore_index=IGNORED, reduction="sum")
         return loss, (target != IGNORED).sum()
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed nats, counted targets): targets of -100 (prompt tokens, padding) are not counted, and bfpp trains
+        the mean over the global batch's counted targets, as one process. A mixture of experts adds its router's
+        load-balancing loss over the whole batch x router_aux_loss_coef x counted targets (contract.router_loss)."""
+        loss, items = self._lm_loss(output, target)
+        if self.cfg.n_experts:
+            self._router_totals = active_step_totals()  # under bfpp: the step's routing, logged after it
+            loss = loss + router_loss(self.head.last_stats, items, self.cfg.router_aux_loss_coef)
+        return loss, items
+
+    def _log_routing(self, stats: torch.Tensor, **kwargs: Any) -> None:
+        """The batch's router loss (train_aux_loss) and how unevenly the experts are picked (train_expert_load: the
+        busiest expert's share of the picks x n_experts; 1 is perfectly even)."""
+        picks = stats[1, :-1]
+        self.log("train_aux_loss", load_balancing_loss(stats), **kwargs)
+        self.log("train_expert_load", picks.max() / picks.sum() * picks.numel(), **kwargs)
+
+    def pipeline_step_logs(self) -> None:
+        if self.cfg.n_experts and self._router_totals is not None:
+            self._log_routing(self._router_totals.total("router_stats"))
 
     # ---- plain Lightning (no bfpp): the same loss under the same names ----
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -230,18 +332,22 @@ class GPT(PipelineHooks, L.LightningModule):
         return self.pipeline_forward(inputs[0] if len(inputs) == 1 else inputs)
 
     def _loss(self, batch) -> torch.Tensor:
+        """The batch's training loss (with a mixture of experts' router loss), as one process trains it."""
         x, y = self.pipeline_inputs(batch)
         return mean_loss(self.pipeline_loss(self(x), y))
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True)  # the global batch's mean, as bfpp logs it
-        return loss
+        x, y = self.pipeline_inputs(batch)
+        output = self(x)
+        self.log("train_loss", mean_loss(self._lm_loss(output, y)), prog_bar=True, sync_dist=True)  # as bfpp logs it
+        if self.cfg.n_experts:
+            self._log_routing(self.head.last_stats, sync_dist=True)
+        return mean_loss(self.pipeline_loss(output, y))
 
     def _eval(self, batch, metrics: MetricCollection) -> torch.Tensor:
         x, y = self.pipeline_inputs(batch)
         logits = self(x)  # under bfpp: the pipeline's output
-        loss_sum, counted = self.pipeline_loss(logits, y)
+        loss_sum, counted = self._lm_loss(logits, y)
         loss = loss_sum / counted
         metrics["acc"].update(logits.argmax(-1), y)
         metrics["bpb"].update(loss / math.log(2), weight=counted)
@@ -290,5 +396,9 @@ def matmul_params(model: nn.Module) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, model: nn.Module) -> float:
-    """Training FLOPs per token of `model` shaped by `cfg` (the simulator's formula, ``training_flops_per_token``)."""
-    return training_flops_per_token(matmul_params(model), cfg.n_layer, cfg.n_embd, cfg.block_size)
+    """Training FLOPs per token of `model` shaped by `cfg` (the simulator's formula, ``training_flops_per_token``); a
+    mixture of experts counts the weights a token meets: top_k of its n_experts experts."""
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    n_experts = getattr(cfg, "n_experts", 0) or 0
+    active = matmul_params(model) - (experts * (1 - cfg.top_k / n_experts) if n_experts else 0)
+    return training_flops_per_token(active, cfg.n_layer, cfg.n_embd, cfg.block_size)

@@ -50,6 +50,8 @@ def check_plan(cfg: DictConfig) -> None:
         ("plan.tensor_parallels", lambda v: v is None or each(_ints(1))(v), "a list of integers >= 1 or null"),
         ("plan.sequence_parallels", each(lambda x: isinstance(x, bool)), "a list of true / false"),
         ("plan.runtime_waits", lambda v: v in ("fsdp", "cpu"), "fsdp or cpu"),
+        ("plan.expert_parallels", lambda v: v is None or each(_ints(1))(v), "a list of integers >= 1 or null"),
+        ("plan.expert_overlap", lambda v: isinstance(v, bool), "true or false"),
     ]
     for key, holds, rule in rules:
         value = OmegaConf.select(cfg, key)
@@ -63,6 +65,11 @@ def check_plan(cfg: DictConfig) -> None:
               "(its own MLP width, key/value heads and tying are not modelled).", file=sys.stderr)
 
 
+def _expert_sizes(n_experts: int) -> list[int]:
+    """plan.expert_parallels=null: every divisor of the model's experts up to 64 (1 alone without experts)."""
+    return [e for e in range(1, min(n_experts, 64) + 1) if n_experts % e == 0] if n_experts else [1]
+
+
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from lightning_bfpp.sim import Cluster, Model, SimOptions
@@ -71,7 +78,8 @@ def main(cfg: DictConfig) -> None:
     check_plan(cfg)
     model, cluster = Model.from_dict(cfg.model), Cluster.from_dict(cfg.cluster)
     p = cfg.plan
-    options = SimOptions(blocking_reduce=p.runtime_waits == "cpu")
+    options = SimOptions(blocking_reduce=p.runtime_waits == "cpu", expert_overlap=p.expert_overlap)
+    experts = list(p.expert_parallels) if p.expert_parallels else _expert_sizes(model.n_experts)
     start = time.perf_counter()
     plans = search(model, cluster, int(cfg.data.batch_size), options=options, top=int(p.top),
                    schedules=list(p.schedules), shardings=list(p.shardings), loops=list(p.loops),
@@ -79,7 +87,8 @@ def main(cfg: DictConfig) -> None:
                    max_groups=int(p.max_groups),
                    tensor_parallels=list(p.tensor_parallels) if p.get("tensor_parallels") else None,
                    sequence_parallels=[bool(v) for v in p.sequence_parallels],
-                   residencies=("step",))  # the runtime keeps a stage's weights as its schedule lowers them
+                   residencies=("step",),  # the runtime keeps a stage's weights as its schedule lowers them
+                   expert_parallels=experts)
     elapsed = time.perf_counter() - start
     if not plans:
         print(f"error: no layout of model={cfg.model.name} on cluster={cfg.cluster.name} with data.batch_size="
@@ -98,7 +107,8 @@ def main(cfg: DictConfig) -> None:
                                          batch_size=int(cfg.data.batch_size))
     c = best.candidate
     print(f"\nbest: {c.schedule} pipeline_parallel={c.pipeline_parallel} data_parallel={c.data_parallel} "
-          f"tensor_parallel={c.tensor_parallel} sequence_parallel={c.sequence_parallel} loops={c.loops} "
+          f"tensor_parallel={c.tensor_parallel} sequence_parallel={c.sequence_parallel} "
+          f"expert_parallel={c.expert_parallel} loops={c.loops} "
           f"micro_batches={c.micro_batches}x{c.micro_batch_size}")
     print("\nbest layout for examples/train.py:\n  " + " ".join(overrides))
     if p.out:

@@ -42,7 +42,7 @@ from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import resume_training_loader
 from .layout.auto import AutoLayout
 from .layout.materialize import has_meta_tensors
-from .layout.mesh import build_mesh, forget_groups
+from .layout.mesh import build_expert_mesh, build_mesh, forget_groups
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import layer_plans
@@ -68,6 +68,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             ``pipeline_tp_plan`` (``lightning_bfpp.layout.tensor_parallel``).
         sequence_parallel: with tensor_parallel > 1, activations between split modules and across stages are each
             tp rank's 1/tp of the sequence; the sequence length must divide by tp. Default: off.
+        expert_parallel: data-parallel ranks splitting each mixture-of-experts layer's experts (tokens dispatched by
+            all-to-all; ``lightning_bfpp.layout.experts``); must divide data parallel. Default 1.
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb".
@@ -116,14 +118,15 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
         compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
-        signal_checkpoint: str | Path | None = None, async_save: bool = False,
+        signal_checkpoint: str | Path | None = None, async_save: bool = False, expert_parallel: int = 1,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
         self._training = TrainingStep(measure_every_n_steps, nonfinite_loss, max_consecutive_skips)
         # the layout, checked now (before any process starts), then again with the world and the model
         self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
-                               groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size)
+                               groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size,
+                               expert_parallel)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -145,6 +148,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     spec = property(lambda self: self.plan.dims.spec)
     pipeline_parallel = property(lambda self: self.plan.dims.pipeline_parallel)
     tensor_parallel = property(lambda self: self.plan.dims.tensor_parallel)
+    expert_parallel = property(lambda self: self.plan.dims.expert_parallel)
     sequence_parallel = property(lambda self: self.plan.dims.sequence_parallel)
     data_parallel = property(lambda self: self.plan.dims.data_parallel)
     sharding = property(lambda self: self.plan.dims.sharding)
@@ -290,8 +294,10 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
                                                          self.root_device, seed)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        experts = build_expert_mesh(self.dims, self.device_mesh, self.root_device.type,
+                                    process_group_timeout(self)) if self.expert_parallel > 1 else None
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
-                                                 self.activation_checkpointing, self.compile)
+                                                 self.activation_checkpointing, self.compile, experts)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
                                       module.pipeline_loss, self.dims, self.compile)
 

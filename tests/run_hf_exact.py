@@ -2,17 +2,19 @@
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
 Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama|qwen2|mistral|gemma3|qwen3|olmo2|olmoe|mixtral: Mistral's layers attend within a sliding
-window; Gemma 3 mixes sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding
-and soft-caps its logits; see hf_model), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads
-(default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global),
-precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
-(accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
-CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
-batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each
-data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)).
+Config keys: family (gpt2|llama|qwen2|mistral|gemma3|qwen3|olmo2|olmoe|mixtral|qwen3_moe|deepseek_v3: Mistral's layers
+attend within a sliding window; Gemma 3 mixes sliding-window and full attention layers, each with its own rotary
+cos/sin, scales its embedding and soft-caps its logits; Mixtral and Qwen3-MoE train their router loss; DeepSeek-V3 has a
+shared expert beside its routed ones and latent attention; see hf_model), tie (tied embeddings; default: the family's
+own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), pp,
+loops, m, steps, batch (global), precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100 in
+every row), accumulate (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a
+save_pretrained directory: CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents,
+tests/packed_rows.py: token batches with document ids; after fit the logits of the first `batch` rows are predicted,
+"predicted", each data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
-[names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent}.
+[names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
+"expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.hf import CausalLM
+from lightning_bfpp.layout.experts import experts_modules
 from lightning_bfpp.layout.tensor_parallel import tp_sharded
+from lightning_bfpp.runtime.instrument import local_bytes
 
 VOCAB, SEQ, WIDTH, SAMPLES, LR = 64, 16, 32, 64, 0.5
 # the mixtures of experts: 2 of 4 experts per token, the router loss on (output_router_logits)
@@ -70,6 +74,12 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, **ROUTER}),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": WIDTH,
                                                                 "head_dim": 16, **ROUTER}),
+        # 4 routed experts (2 per token) and a shared one; multi-head latent attention
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                        {"moe_intermediate_size": WIDTH, "n_routed_experts": 4,
+                         "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                         "first_k_dense_replace": 0, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                         "qk_nope_head_dim": 8, "v_head_dim": 16}),
     }
     config, model, extra = families[family]
     return getattr(transformers, model)(getattr(transformers, config)(**{**extra, **common}))
@@ -118,7 +128,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2),
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
                             sequence_parallel=cfg.get("sp"),
-                            activation_checkpointing=cfg.get("ac", False),
+                            activation_checkpointing=cfg.get("ac", False), expert_parallel=cfg.get("ep", 1),
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
@@ -140,9 +150,14 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
     replica = strategy.distributed_sampler_kwargs  # predict: Lightning's sampler gives replica r rows r, r + dp, ...
+    experts = [p for _, m in experts_modules(model) for p in m.parameters(recurse=False)]
+    state = trainer.optimizers[0].state
     torch.save({"params": params, "losses": record.losses, "aux_losses": record.aux_losses, "tp_split": split,
                 "predicted": predicted, "replica": (replica["rank"], replica["num_replicas"]),
-                "message_bytes": strategy.runner.message_bytes}, out / f"rank{trainer.global_rank}.pt")
+                "message_bytes": strategy.runner.message_bytes, "expert_bytes": local_bytes(experts),
+                "expert_state_bytes": local_bytes(v for p in experts for v in state.get(p, {}).values()
+                                                  if isinstance(v, torch.Tensor))},
+               out / f"rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

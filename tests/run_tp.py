@@ -5,7 +5,8 @@ Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps
 (sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt and padding targets of -100),
 accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path),
 packed (rows packing 2-4 documents, tests/packed_rows.py; after fit the logits of the first `batch` rows are predicted:
-"predicted", replica r of dp predicting rows r, r + dp, ...: "replica" (r, dp)).
+"predicted", replica r of dp predicting rows r, r + dp, ...: "replica" (r, dp)), moe (a mixture of 4 experts, 2 per
+token, in every block, with its router loss), ep (expert_parallel).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
 "message_bytes": the largest activation message it sent}.
@@ -29,8 +30,9 @@ from lightning_bfpp.layout.tensor_parallel import tp_sharded
 SAMPLES, BLOCK, VOCAB = 64, 8, 32
 
 
-def model_config(tied: bool = False) -> GPTConfig:
-    return GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=BLOCK, vocab_size=VOCAB, tie_weights=tied)
+def model_config(tied: bool = False, moe: bool = False) -> GPTConfig:
+    experts = dict(n_experts=4, top_k=2, router_aux_loss_coef=0.5) if moe else {}
+    return GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=BLOCK, vocab_size=VOCAB, tie_weights=tied, **experts)
 
 
 def optim_config(opt: str = "sgd") -> OptimConfig:
@@ -78,13 +80,13 @@ class Losses(Callback):
 
 def run(cfg: dict, devices: int, out: Path) -> None:
     torch.manual_seed(0)
-    model = GPT(model_config(cfg.get("tied", False)), optim_config(cfg.get("opt", "sgd")))
+    model = GPT(model_config(cfg.get("tied", False), cfg.get("moe", False)), optim_config(cfg.get("opt", "sgd")))
     pp, tp = cfg.get("pp", 1), cfg.get("tp", 1)
     strategy = BFPPStrategy(
         pipeline_parallel=pp, tensor_parallel=tp, sequence_parallel=cfg.get("sp"), loops=cfg.get("loops", 1),
         micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
-        activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120),
+        activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120), expert_parallel=cfg.get("ep", 1),
     )
     losses = Losses()
     callbacks: list[Callback] = [losses]

@@ -64,6 +64,7 @@ ROWS = [
     ("misspelt_trainer_key", ["trainer.max_step=10"],
      "error: trainer.max_step=10: the config has no key trainer.max_step; did you mean trainer.max_steps?"),
     ("misspelt_schedule_file", ["schedule=breadth_frist"], "did you mean schedule=breadth_first?"),
+    ("expert_parallel_without_experts", ["schedule.expert_parallel=2"], "schedule.expert_parallel=2"),
 ]
 
 
@@ -232,6 +233,18 @@ CHECKS = [  # (overrides, what the error must say)
     (["checkpoint.on_signal_grace_s=0"], "checkpoint.on_signal_grace_s=0 must be > 0 seconds or null"),
     (["data.num_workers=-1"], "data.num_workers=-1 must be an integer >= 0"),
     (["logger=wandb", "logger.mode=bogus"], "logger.mode='bogus': use logger.mode=offline or online"),
+    # expert parallel: a model with experts, dividing them and the data-parallel ranks, without tp, sharded
+    (["schedule.expert_parallel=2"], "schedule.expert_parallel=2 splits the experts of a mixture of experts, and "
+     "model=gpt_tiny has none (model.n_experts=0); use model=gpt_moe_tiny"),
+    (["model=gpt_moe_tiny", "schedule.expert_parallel=3"], "schedule.expert_parallel=3 must divide model.n_experts=4"),
+    (["model=gpt_moe_tiny", "schedule.expert_parallel=4"],
+     "schedule.expert_parallel=4 must divide the data-parallel size 2"),
+    (["model=gpt_moe_tiny", "schedule.tensor_parallel=2", "schedule.expert_parallel=2"],
+     "schedule.expert_parallel=2 with schedule.tensor_parallel=2: expert parallel does not combine with tensor "
+     "parallel yet"),
+    (["model=gpt_moe_tiny", "schedule.sharding=none", "schedule.expert_parallel=2"],
+     "schedule.expert_parallel=2 with schedule.sharding='none'"),
+    (["model=gpt_moe_tiny", "schedule.expert_parallel=0"], "schedule.expert_parallel=0 must be a positive integer"),
 ]
 ACCEPTED = [
     [], ["+trainer.max_epochs=1", "+trainer.limit_train_batches=5"], ["trainer.precision=bf16-mixed"],
@@ -241,6 +254,7 @@ ACCEPTED = [
     ["optim=sgd", "optim.lr=1e-4", "optim.warmup_steps=0", "optim.min_lr_ratio=1"],
     ["trainer.max_steps=-1", "+trainer.max_epochs=2"],  # epoch-bounded training
     ["checkpoint.on_signal=exit", "checkpoint.on_signal_grace_s=10", "ckpt_path=null", "checkpoint.async_save=true"],
+    ["model=gpt_moe_tiny", "schedule.expert_parallel=2"],
 ]
 
 

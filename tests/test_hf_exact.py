@@ -32,12 +32,16 @@ PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pret
 # fine-tuning data: prompt and padding targets of -100, the loss counting the others (the mean over the global batch's
 # counted targets): pp=2 x loops=2 x m=4 at dp 2 (one row per micro-batch), with accumulate_grad_batches=2, and at dp 1
 COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ignored": True, "accumulate": 2}]
-# mixtures of experts with their router loss (output_router_logits=True): the whole step's routing statistics
+# mixtures of experts with their router loss (output_router_logits=True): the whole step's routing statistics; with
+# their experts split over the 2 data-parallel ranks (expert_parallel=2: pp=2 x dp=2 x ep=2), DeepSeek-V3 (a shared
+# expert beside the routed ones, no router loss) too
 ROUTED = [{"family": "mixtral", "m": 4}, {"family": "qwen3_moe"}]
 # windows packing 2-4 documents (token batches with document ids): each document trains and predicts as if alone
 PACKED = [{"family": "llama", "packed": True}, {"family": "gpt2", "packed": True}]
+EXPERT_PARALLEL = [{"family": "mixtral", "m": 4, "ep": 2}, {"family": "qwen3_moe", "ep": 2},
+                   {"family": "deepseek_v3", "ep": 2}]
 RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0], PACKED[1], {"family": "mixtral"}],  # dp 1
-        4: [*CONFIGS, *PRETRAINED, *COUNTED, PACKED[0], *ROUTED]}  # dp 2
+        4: [*CONFIGS, *PRETRAINED, *COUNTED, PACKED[0], *ROUTED, *EXPERT_PARALLEL]}  # dp 2
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
 # heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
 # sequence parallel ("sp") too. Qwen3 (tied) normalizes q and k per head (replicated_with_grad_allreduce), OLMo 2 over
@@ -159,7 +163,7 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     got = {}
     for rank in launch[index]:
         got.update(rank["params"])
-    assert set(got) == set(model.state_dict())  # the HF model's own names, tied copies included
+    assert set(got) == set(expected)  # the HF model's own names, tied copies included
     worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
     assert worst <= TOL, f"max |bfpp - one process| = {worst:.3g}"
     last_stage = launch[index][-1]["losses"]  # every rank logs the shared loss
@@ -167,6 +171,9 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     assert all(r["aux_losses"] == launch[index][0]["aux_losses"] for r in launch[index])  # every rank logs it
     assert launch[index][0]["aux_losses"] == pytest.approx(aux_losses, abs=1e-5)
     assert bool(aux_losses) == (cfg["family"] in ("mixtral", "qwen3_moe"))
+    if cfg.get("ep"):  # each rank holds half of its decoder layer's experts (pp=2 x loops=2: one such layer per rank)
+        experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n) // 2
+        assert [r["expert_bytes"] for r in launch[index]] == [experts // cfg["ep"]] * 4
 
 
 def test_rotary_model_trains_under_sharded_bf16_mixed(runs):

@@ -118,6 +118,37 @@ def test_plan_cli_writes_json(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs"] and f"{out.relative_to(tmp_path)}" in proc.stdout
 
 
+def test_plan_cli_searches_expert_parallel_for_a_mixture_of_experts(tmp_path):
+    """model=gpt_moe_tiny with plan.expert_parallels=[2]: every row has ep=2, and the printed overrides carry it to
+    examples/train.py."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan.py"), "model=gpt_moe_tiny", "cluster=cpu_4",
+         "data.batch_size=16", "plan.top=2", "plan.expert_parallels=[2]", "plan.expert_overlap=true", "plan.out=null"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "expert_parallel=2 " in proc.stdout and "schedule.expert_parallel=2 model=gpt_moe_tiny" in proc.stdout
+
+
+def test_moe_reproduction_mixtral_on_64_gpus():
+    """examples/moe_reproduction.py's first point (docs/mixture_of_experts.md): on 8 nodes the Mixtral-8x22B-like
+    model's best breadth-first layout splits the experts over a node (ep=8), beats the Megatron-like baseline with its
+    overlap, and overlapping all-to-alls never makes a method slower."""
+    from dataclasses import replace
+
+    import moe_reproduction as figure
+
+    model, cluster = figure.load("mixtral_8x22b", "a100_paper")
+    cluster = replace(cluster, num_nodes=8)
+    got = {(m, o): figure.best(model, cluster, m, o) for m in ("breadth_first", "megatron_like") for o in (False, True)}
+    assert all(p is not None and p.fits for p in got.values()), got
+    speed = {k: p.tokens_per_second_per_device for k, p in got.items()}
+    assert got[("breadth_first", True)].candidate.expert_parallel == 8
+    for method in ("breadth_first", "megatron_like"):
+        assert speed[(method, True)] >= speed[(method, False)] * (1 - 1e-9), speed
+    assert speed[("breadth_first", True)] > speed[("megatron_like", True)], speed
+
+
 def test_residency_chosen_by_memory():
     """Depth-first on the 52B model without tensor parallel: with every local stage gathered the layout does
     not fit, so the planner keeps it by regathering (a cache or per run); with room to spare it keeps the
@@ -186,6 +217,8 @@ def test_first_top_plans_are_the_true_best(top):
     ("plan.schedules=[bogus]", "plan.schedules=['bogus'] must be a list of breadth_first"),
     ("plan.loops=[0]", "plan.loops=[0] must be a list of integers >= 1"),
     ("model.n_head=3", "model.n_embd=128 must be divisible by model.n_head=3"),
+    ("plan.expert_parallels=[0]", "plan.expert_parallels=[0] must be a list of integers >= 1 or null"),
+    ("plan.expert_overlap=maybe", "plan.expert_overlap='maybe' must be true or false"),
 ])
 def test_plan_cli_names_a_setting_it_would_truncate_or_ignore(tmp_path, override, message):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "plan.py"), override, "plan.out=null"],

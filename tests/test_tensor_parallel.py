@@ -2,7 +2,8 @@
 pipeline_tp_plan trains like one process (SGD, 3 steps), resumes across tensor-parallel sizes and across sequence
 parallel on/off (AdamW), holds 1/(pp*dp*tp) of the bytes per rank, and sends the activation message the simulator
 counts. Two launches of tests/run_tp.py: 4 processes (several layouts one after another), 8 processes (pp2 x loops2 x
-dp2 x tp2)."""
+dp2 x tp2). The launches also train the example's mixture of experts ("moe": exact at pp=2 x dp=2 x ep=2, resumed
+across expert-parallel sizes; pp=2 x dp=4 x ep=2 in the 8-process one)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gpt import GPT
 from launch import ROOT, Launches
 from lightning.pytorch import Trainer
 
-from lightning_bfpp import BFPPStrategy
+from lightning_bfpp import BFPPStrategy, mean_loss
 from lightning_bfpp.layout.tensor_parallel import layer_plans
 from lightning_bfpp.schedule import ScheduleSpec
 from lightning_bfpp.schedule.dims import ParallelDims
@@ -55,6 +56,14 @@ WORLD4 = {
     # windows packing several documents (document ids): each trains and predicts as if alone
     "pp2-loops2-dp2-packed": {"pp": 2, "loops": 2, "m": 2, "packed": True},
     "pp2-tp2-sp-packed": {"pp": 2, "tp": 2, "m": 2, "sp": True, "packed": True},
+    # the example's mixture of experts (router loss on): experts split over the 2 data-parallel ranks (ep=2); AdamW
+    # saved at step 2 with ep=2, resumed with the experts whole (ep=1, FSDP over dp=2) and on one replica (pp=4)
+    "moe-pp2-loops2-dp2-ep2": {"pp": 2, "loops": 2, "m": 2, "moe": True, "ep": 2},
+    "moe-save-ep2": {"pp": 2, "m": 2, "moe": True, "ep": 2, "opt": "adamw", "steps": 4, "save_every": 2,
+                     "save_dir": "{out}/ep2"},
+    "moe-resume-ep1": {"pp": 2, "loops": 2, "m": 2, "moe": True, "opt": "adamw", "steps": 4,
+                       "resume": "{out}/ep2/step=2.ckpt"},
+    "moe-resume-pp4": {"pp": 4, "m": 4, "moe": True, "opt": "adamw", "steps": 4, "resume": "{out}/ep2/step=2.ckpt"},
 }
 WORLD8 = {
     "pp2-loops2-dp2-tp2-bf": {"pp": 2, "tp": 2, "loops": 2, "m": 2},
@@ -62,6 +71,7 @@ WORLD8 = {
     "pp2-loops2-dp2-tp2-sp-zb": {"pp": 2, "tp": 2, "loops": 2, "m": 2, "sp": True, "schedule": "breadth_first_zb",
                                  "tied": True, "clip": 0.05},
     "pp2-dp2-tp2-1f1b": {"pp": 2, "tp": 2, "m": 2, "schedule": "1f1b"},
+    "moe-pp2-dp4-ep2": {"pp": 2, "m": 2, "moe": True, "ep": 2},  # two copies of each half of the experts (FSDP)
 }
 
 
@@ -79,12 +89,12 @@ def runs(tmp_path_factory) -> Launches:
 
 
 def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | None = None, tied: bool = False,
-              batch: int = BATCH, ignored: bool = False,
-              accumulate: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
+              batch: int = BATCH, ignored: bool = False, accumulate: int = 1,
+              moe: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the same data: step t uses Lightning's batches t*accumulate.. under data_parallel = orders[t],
     the mean over their counted targets (each batch's own mean recorded as its loss)."""
     torch.manual_seed(0)
-    model = GPT(run_tp.model_config(tied), run_tp.optim_config(opt))
+    model = GPT(run_tp.model_config(tied, moe), run_tp.optim_config(opt))
     o = model.optim
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
@@ -97,9 +107,10 @@ def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | Non
         items = sum(int((y != -100).sum()) for _, y in batches)
         optimizer.zero_grad()
         for x, y in batches:
-            total, counted = model.pipeline_loss(model(x), y)
+            output = model(x)
+            total, counted = model.pipeline_loss(output, y)  # + a mixture's router loss x counted, the whole batch's
             (total / items).backward()
-            losses.append((total / counted).item())
+            losses.append(mean_loss(model._lm_loss(output, y)).item())  # train_loss: the cross-entropy's mean
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
@@ -142,7 +153,7 @@ def test_matches_one_process(runs, devices, name):
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     ranks = runs(devices)[name]
     ref = reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
-                    ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1))
+                    ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1), moe=cfg.get("moe", False))
     _compare(ranks, ref, EXACT)
     split = {n for r in ranks for n in r["tp_split"] if n.endswith("weight")}  # over the ranks: each its own stages
     assert split == (split_weights(cfg.get("tied", False)) if cfg.get("tp", 1) > 1 else set()), sorted(split)
@@ -176,13 +187,16 @@ def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
 
 
 @pytest.mark.parametrize("saved,resumed", [("save-tp2", "resume-tp1"), ("save-tp1", "resume-tp2"),
-                                           ("save-sp", "resume-no-sp")])
+                                           ("save-sp", "resume-no-sp"), ("moe-save-ep2", "moe-resume-ep1"),
+                                           ("moe-save-ep2", "moe-resume-pp4")])
 def test_adamw_resume_across_tensor_parallel_sizes(runs, saved, resumed):
     """Weights and AdamW state saved at step 2 at one tp size (and pp/dp) continue at another as if never
-    interrupted: the resumed run, and the uninterrupted run it was saved from, equal one process's 4 steps."""
+    interrupted: the resumed run, and the uninterrupted run it was saved from, equal one process's 4 steps. Likewise
+    a mixture of experts' split experts (ep=2) resumed whole (ep=1) and on one replica."""
     a, b = WORLD4[saved], WORLD4[resumed]
-    ref = reference(4, [_dp(4, a)] * 2 + [_dp(4, b)] * 2, opt="adamw")
-    _compare(runs(4)[saved], reference(4, [_dp(4, a)] * 4, opt="adamw"), RESUME)
+    moe = a.get("moe", False)
+    ref = reference(4, [_dp(4, a)] * 2 + [_dp(4, b)] * 2, opt="adamw", moe=moe)
+    _compare(runs(4)[saved], reference(4, [_dp(4, a)] * 4, opt="adamw", moe=moe), RESUME)
     _compare(runs(4)[resumed], (ref[0], ref[1][2:]), RESUME)  # the resumed run logs steps 3 and 4
 
 

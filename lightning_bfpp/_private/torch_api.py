@@ -88,3 +88,15 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def all_to_all_autograd(rows: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                        group: dist.ProcessGroup) -> torch.Tensor:
+    """All-to-all of `rows` (dim 0 split into `input_splits`, one part per rank of `group`; `output_splits` rows
+    received from each) whose backward sends the gradients back the same way: expert parallel's dispatch and combine.
+    Why private: torch 2.13 deprecates the public ``torch.distributed.nn.functional.all_to_all_single`` (a
+    FutureWarning at every call) in favour of ``_functional_collectives.all_to_all_single_autograd``, which torchtitan
+    uses too. Public alternative checked: the deprecated one (the same result, uneven splits, on gloo too)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))

@@ -1,5 +1,5 @@
-"""The DeviceMesh of a layout (its shape and names are ``schedule.dims.ParallelDims``') and the process groups over
-it, built once per process."""
+"""The DeviceMeshes of a layout (their shapes and names are ``schedule.dims.ParallelDims``': the model's, and with
+expert parallel the experts') and the process groups over them, built once per process."""
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -54,11 +54,28 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None =
     return _once(("mesh", device_type, shape, timeout), make)
 
 
-def _dim_groups(ranks: torch.Tensor, timeout: timedelta) -> list[dist.ProcessGroup]:
-    """For each dimension of the rank grid `ranks`, this rank's process group along it, created with `timeout`
-    (public `new_subgroups_by_enumeration`: every rank creates every group of a dimension, in the same order)."""
+def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh, device_type: str,
+                      timeout: timedelta | None = None) -> DeviceMesh:
+    """The experts' DeviceMesh of the validated layout `dims` (``ParallelDims.expert_mesh_shape`` and
+    ``expert_mesh_dim_names``: PP, EDP, EP), over the same ranks as the model's `mesh`, whose pipeline groups it
+    reuses (new groups for the experts' copies and parts only). An expert's weights live on it: split over EP,
+    FSDP-sharded over EDP (one mesh: FSDP requires both of a weight's meshes to share a root)."""
+    shape, names = dims.expert_mesh_shape, dims.expert_mesh_dim_names
+
+    def make() -> DeviceMesh:
+        grid = torch.arange(dims.world).reshape(shape)
+        groups = [mesh.get_group(0), *_dim_groups(grid, timeout, first=1)]
+        return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
+
+    return _once(("expert mesh", device_type, shape, timeout), make)
+
+
+def _dim_groups(ranks: torch.Tensor, timeout: timedelta | None, first: int = 0) -> list[dist.ProcessGroup]:
+    """For each dimension of the rank grid `ranks` from `first` on, this rank's process group along it, created with
+    `timeout` (public `new_subgroups_by_enumeration`: every rank creates every group of a dimension, in the same
+    order)."""
     groups = []
-    for dim in range(ranks.ndim):
+    for dim in range(first, ranks.ndim):
         members = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
         mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
         groups.append(mine)

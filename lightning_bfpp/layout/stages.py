@@ -1,7 +1,7 @@
 """This rank's stages, built in two small steps over the (pp, dp[, tp]) DeviceMesh, torchtitan-style:
 `cut` splits the model into its local stages (and gives shared weights a copy per stage), `parallelize`
-applies tensor parallel, activation checkpointing and FSDP2 to them. The strategy runs the Lightning steps
-in between (materialize, precision cast, move to the device)."""
+applies tensor parallel, expert parallel (over the experts' own mesh), activation checkpointing and FSDP2 to them.
+The strategy runs the Lightning steps in between (materialize, precision cast, move to the device)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..schedule.dims import DP, PP, TP, ParallelDims
 from .cut import split_stages
+from .experts import distribute_experts, shard_experts
 from .fsdp import shard_stage, stage_mixed_precision
 from .materialize import init_hook, materialize
 from .names import named_parts
@@ -43,12 +44,19 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
 
 
 def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: ParallelDims, plans: dict,
-                precision: str, activation_checkpointing: bool, compile_layers: bool = False) -> bool:
-    """Tensor parallel by the model's `plans` (before FSDP), activation checkpointing, torch.compile per layer
-    (`compile_layers`, after tensor parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when
-    sharded. Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
+                precision: str, activation_checkpointing: bool, compile_layers: bool = False,
+                expert_mesh: DeviceMesh | None = None) -> bool:
+    """Tensor parallel by the model's `plans` (before FSDP), expert parallel over `expert_mesh` (the experts split
+    over its EP dimension), activation checkpointing, torch.compile per layer (`compile_layers`, after tensor
+    parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when sharded (each experts module its
+    own unit over the experts' copies, EDP). Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no
+    autocast then)."""
     if plans:
         apply_plans(plans, modules.values(), mesh[TP])
+    experts = {}
+    if dims.expert_parallel > 1:
+        assert expert_mesh is not None, "expert_parallel > 1 needs the experts' mesh (layout.mesh.build_expert_mesh)"
+        experts = {s: distribute_experts([stage], expert_mesh) for s, stage in modules.items()}
     for stage in modules.values():
         stage.activation_checkpointing = activation_checkpointing
         if compile_layers:
@@ -58,6 +66,8 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
     last = dims.num_stages - 1
     for s, stage in modules.items():
         policy = stage_mixed_precision(precision, last_stage=s == last)
+        if experts.get(s):
+            shard_experts(experts[s], expert_mesh, dims.data_parallel, stage_mixed_precision(precision, False))
         shard_stage(stage, mesh[DP], policy)
         stage.side_input_dtype = policy.param_dtype if policy is not None else None
     return precision == "bf16-mixed"

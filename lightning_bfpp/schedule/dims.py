@@ -1,6 +1,7 @@
 """The one owner of the parallel layout: how the world's processes split into pipeline x data x tensor parallel
-(the mesh's shape, dimension names and every rank's coordinates), how the model's layers fill the stages and a
-step's batch the micro-batches, the sequence rule of sequence parallel, and its one `validate()`. The strategy,
+(the mesh's shape, dimension names and every rank's coordinates), how a mixture of experts' experts split over ranks
+of the data-parallel group (expert parallel: its own mesh), how the model's layers fill the stages and a step's batch
+the micro-batches, the sequence rule of sequence parallel, and its one `validate()`. The strategy,
 the mesh builder (``layout.mesh``), the app's preflight and the planner all ask it; each names the settings in its
 users' words (`Names`). Pure Python, like the rest of the schedule package."""
 from __future__ import annotations
@@ -17,6 +18,10 @@ from .generate import check_spec
 # ``device_mesh["data_parallel"]`` for the sampler's replica count and rank (all ranks of a replica, whatever their
 # pipeline or tensor-parallel coordinate, load the same batch). Renaming it breaks the sampler.
 PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
+# Expert parallel splits each data-parallel group into expert_data_parallel x expert_parallel (ep innermost: an
+# expert-parallel group is consecutive data-parallel ranks, as torchtitan's and Megatron-Core's). The experts get their
+# own mesh (PP, EDP, EP): the mesh above keeps DP whole for Lightning's sampler and the other weights' FSDP.
+EP, EDP = "expert_parallel", "expert_data_parallel"
 
 SHARDING = ("full", "none")  # full: FSDP2 over data parallel; none: replicated weights, gradients all-reduced
 
@@ -32,6 +37,7 @@ class Names:
     schedule: str = "schedule"
     pipeline_parallel: str = "pipeline_parallel"
     tensor_parallel: str = "tensor_parallel"
+    expert_parallel: str = "expert_parallel"
     sequence_parallel: str = "sequence_parallel"
     loops: str = "loops"
     micro_batches: str = "micro_batches"
@@ -57,6 +63,14 @@ class Coordinates(NamedTuple):
     tensor: int
 
 
+class ExpertCoordinates(NamedTuple):
+    """Where a rank's data-parallel replica sits in the experts' mesh: which copy of the experts (`data`, over
+    expert_data_parallel) and which part of them (`expert`, over expert_parallel)."""
+
+    data: int
+    expert: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """world = pipeline_parallel x data_parallel x tensor_parallel (tp innermost, within one node of
@@ -69,6 +83,7 @@ class ParallelDims:
     devices_per_node: int | None = None  # None: one node holds the world
     sharding: str = "full"
     sequence_parallel: bool = False  # with tp > 1: activations between split modules are 1/tp of the sequence
+    expert_parallel: int = 1  # ranks of a data-parallel group splitting each mixture-of-experts layer's experts
 
     @property
     def pipeline_parallel(self) -> int:
@@ -98,6 +113,24 @@ class ParallelDims:
         """Sizes along `mesh_dim_names`."""
         return (self.pipeline_parallel, self.data_parallel, self.tensor_parallel)[:len(self.mesh_dim_names)]
 
+    @property
+    def expert_data_parallel(self) -> int:
+        """Copies of each expert (its FSDP group's size): data_parallel / expert_parallel."""
+        return self.data_parallel // self.expert_parallel
+
+    @property
+    def expert_mesh_dim_names(self) -> tuple[str, ...]:
+        """The experts' mesh: (PP, EDP, EP); EDP x EP is the data-parallel group."""
+        return (PP, EDP, EP)
+
+    @property
+    def expert_mesh_shape(self) -> tuple[int, ...]:
+        return (self.pipeline_parallel, self.expert_data_parallel, self.expert_parallel)
+
+    def expert_coordinates(self, rank: int) -> ExpertCoordinates:
+        """Which copy and which part of the experts global `rank` holds."""
+        return ExpertCoordinates(*divmod(self.coordinates(rank).data, self.expert_parallel))
+
     def rank(self, pipeline: int, data: int, tensor: int = 0) -> int:
         """The global rank at these mesh coordinates."""
         return (pipeline * self.data_parallel + data) * self.tensor_parallel + tensor
@@ -117,7 +150,13 @@ class ParallelDims:
             return [self.rank(pipeline, d, tensor) for d in range(self.data_parallel)]
         if dim == TP:
             return [self.rank(pipeline, data, t) for t in range(self.tensor_parallel)]
-        raise ValueError(f"{dim!r} is not a mesh dimension ({PP}, {DP}, {TP})")
+        copy, part = self.expert_coordinates(rank)
+        if dim == EP:
+            return [self.rank(pipeline, copy * self.expert_parallel + e, tensor) for e in range(self.expert_parallel)]
+        if dim == EDP:
+            return [self.rank(pipeline, c * self.expert_parallel + part, tensor)
+                    for c in range(self.expert_data_parallel)]
+        raise ValueError(f"{dim!r} is not a mesh dimension ({PP}, {DP}, {TP}, {EP}, {EDP})")
 
     def replica_leader(self, rank: int) -> int:
         """The lowest rank of `rank`'s data-parallel replica (the ranks that must load the same batch)."""
@@ -152,6 +191,7 @@ class ParallelDims:
         check_spec(self.spec, names)
         self._check_options(names)
         self._check_world(names)
+        self._check_expert_world(names)
         if num_layers is not None:
             self._check_layers(num_layers, names)
         if global_batch is not None:
@@ -173,6 +213,22 @@ class ParallelDims:
         if self.sharding not in SHARDING:
             raise LayoutError(f"{n.sharding}={self.sharding!r} is unknown; choose one of {', '.join(SHARDING)} (full: "
                               "FSDP over data parallel; none: replicated weights, gradients all-reduced).")
+        self._check_expert_options(n)
+
+    def _check_expert_options(self, n: Names) -> None:
+        ep = self.expert_parallel
+        if not is_count(ep):
+            raise LayoutError(f"{n.expert_parallel}={ep!r} must be a positive integer (1: no expert parallel; 2, 4, "
+                              "...: data-parallel ranks splitting each mixture-of-experts layer's experts).")
+        if ep == 1:
+            return
+        if self.tensor_parallel > 1:
+            raise LayoutError(f"{n.expert_parallel}={ep} with {n.tensor_parallel}={self.tensor_parallel}: expert "
+                              "parallel does not combine with tensor parallel yet; set one of them to 1.")
+        if self.sharding != "full":
+            raise LayoutError(f"{n.expert_parallel}={ep} with {n.sharding}={self.sharding!r}: the experts' copies are "
+                              f"FSDP-sharded over the data-parallel ranks that hold them; use {n.sharding}=full, or "
+                              f"{n.expert_parallel}=1.")
 
     def _check_world(self, n: Names) -> None:
         world, pp, tp = self.world, self.spec.pipeline_parallel, self.tensor_parallel
@@ -194,6 +250,15 @@ class ParallelDims:
                 f"{n.pipeline_parallel} x {n.tensor_parallel} = {pp} x {tp} must divide the world size {world} "
                 f"({n.world}; data parallel = world / (pipeline x tensor parallel)); use {n.tensor_parallel} in "
                 f"{fits}, or another {n.pipeline_parallel}.")
+
+    def _check_expert_world(self, n: Names) -> None:
+        ep, dp, pp = self.expert_parallel, self.data_parallel, self.spec.pipeline_parallel
+        if ep > 1 and dp % ep:
+            raise LayoutError(
+                f"{n.expert_parallel}={ep} must divide the data-parallel size {dp} ({n.world}={self.world} / "
+                f"{n.pipeline_parallel}={pp}): the experts are split over {ep} data-parallel ranks; use "
+                f"{n.expert_parallel} in {divisors(dp)}, or a {n.pipeline_parallel} leaving a multiple of {ep} "
+                "data-parallel ranks.")
 
     def _check_layers(self, num_layers: int, n: Names) -> None:
         pp, loops = self.spec.pipeline_parallel, self.spec.loops
@@ -240,8 +305,9 @@ def micro_batch_size(replica_batch: int, micro_batches: int, names: Names = Name
 
 
 def default_pipeline_parallel(world: int, tensor_parallel: int = 1, loops: int = 1,
-                              num_layers: int | None = None) -> int:
-    """Every process a pipeline rank: the largest divisor of world / tensor_parallel that leaves every one of the
-    pp x loops stages a layer (`num_layers`, once the model is known)."""
-    ranks = max(world // tensor_parallel, 1)
+                              num_layers: int | None = None, expert_parallel: int = 1) -> int:
+    """Every process a pipeline rank (but the expert_parallel replicas that split the experts): the largest divisor
+    of world / (tensor_parallel x expert_parallel) that leaves every one of the pp x loops stages a layer
+    (`num_layers`, once the model is known)."""
+    ranks = max(world // (tensor_parallel * expert_parallel), 1)
     return max(pp for pp in divisors(ranks) if num_layers is None or pp * loops <= num_layers or pp == 1)

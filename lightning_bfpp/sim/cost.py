@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..schedule.actions import ScheduleSpec
-from ..schedule.dims import DP, ParallelDims
+from ..schedule.dims import DP, EDP, EP, ParallelDims
 from ..schedule.stage_cut import balanced_stage_layers
 from .cluster import Cluster
 from .model import Layers, Model, WireBytes
@@ -22,17 +22,19 @@ GRAD_BYTES = WireBytes.grads
 SHARDINGS = ("full", "none", "optimizer")
 
 
-def state_bytes(params: float, sharding: str, data_parallel: int) -> float:
-    """Bytes held for the whole step per rank for `params` (per-rank) parameters.
+def state_bytes(params: float, sharding: str, data_parallel: int, whole: float | None = None) -> float:
+    """Bytes held for the whole step per rank for `params` (per-rank) parameters, `whole` of them held whole on the
+    rank (default all; with expert parallel the experts' 1/ep: each expert on dp / ep ranks, its state sharded there).
 
     full: FSDP, 16 B/param / dp. none: replicated, 16 + bf16 weights + bf16 grads. optimizer: Megatron-LM's
     distributed optimizer (its docs' table, bf16 params with fp32 main grads): 2 + 4 whole, + 12 / dp for the
     fp32 master weights and Adam moments."""
+    whole = params if whole is None else whole
     if sharding == "full":
         return STATE_BYTES * params / data_parallel
     if sharding == "optimizer":
-        return (2 + 4) * params + 12 * params / data_parallel
-    return (STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * params
+        return (2 + 4) * whole + 12 * params / data_parallel
+    return (STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * whole
 
 
 @lru_cache(maxsize=256)
@@ -59,6 +61,15 @@ class StageCost:
     inter_node: bool = False  # its dp collectives cross nodes (they share the rank's network interface)
     weight_bytes: int = WEIGHT_BYTES  # per parameter of its gathered weights
     grad_bytes: int = GRAD_BYTES  # per parameter of its unsharded gradient
+    expert_params: int = 0  # of `params`, a mixture's experts: each rank gathers 1/expert_parallel of them
+    expert_parallel: int = 1
+    a2a_forward: float = 0.0  # seconds of its experts' all-to-alls for one micro-batch (dispatch + combine)
+    a2a_backward: float = 0.0  # the same in backward (their gradients), in the input-gradient part
+
+    @property
+    def gathered_params(self) -> float:
+        """Parameters a rank holds whole while the stage computes: all but the other ranks' experts."""
+        return self.params - self.expert_params * (1 - 1 / self.expert_parallel)
 
 
 @dataclass
@@ -82,9 +93,7 @@ class Costs:
 
     def without_comm(self) -> Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
-        stages = [StageCost(s.forward, s.backward, s.params, s.activation, reduce_host=s.reduce_host,
-                            workspace=s.workspace, weight_bytes=s.weight_bytes, grad_bytes=s.grad_bytes,
-                            weight_fraction=s.weight_fraction, weight_pass_bytes=s.weight_pass_bytes)
+        stages = [replace(s, unshard=0.0, reduce=0.0, inter_node=False, a2a_forward=0.0, a2a_backward=0.0)
                   for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
                      self.flops_per_token, self.step_overhead, self.tensor_parallel)
@@ -111,6 +120,7 @@ def build_costs(
     activation_bytes: int | None = None,
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    expert_parallel: int = 1,
 ) -> Costs:
     """Per-stage costs of `model` (its `Layers`, or a transformer `Model` that describes them) cut into
     pipeline_parallel*loops stages on a (pp, dp, tp) mesh of `cluster`.
@@ -121,7 +131,10 @@ def build_costs(
     one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
     Tensor-parallel collectives run on the in-node links on the compute's critical path (as the runtime's);
     activations cross stages whole, each tp rank sending to its counterpart, or (sequence parallel) as each
-    rank's sequence shard (Korthikanti et al. 2022: the boundary tensor is sequence-split).
+    rank's sequence shard (Korthikanti et al. 2022: the boundary tensor is sequence-split). With `expert_parallel`
+    (ep consecutive data-parallel ranks) each rank gathers 1/ep of the experts over the dp / ep copies, and the
+    tokens cross the ep group in all-to-alls (``a2a_time``) on the compute's critical path unless the simulator
+    overlaps them (``SimOptions.expert_overlap``).
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}.")
@@ -129,8 +142,12 @@ def build_costs(
     if cluster.devices % tp:
         raise ValueError(f"tensor_parallel={tp} must divide the {cluster.devices} devices of a node.")
     num_stages = pp * loops
-    dims = ParallelDims(world=pp * dp * tp, spec=ScheduleSpec(pipeline_parallel=pp, loops=loops), tensor_parallel=tp)
+    dims = ParallelDims(world=pp * dp * tp, spec=ScheduleSpec(pipeline_parallel=pp, loops=loops), tensor_parallel=tp,
+                        expert_parallel=expert_parallel)
     layers = model if isinstance(model, Layers) else model.layers(cluster, tp, sequence_parallel)
+    if expert_parallel > 1 and (layers.expert_params is None or dp % expert_parallel):
+        raise ValueError(f"expert_parallel={expert_parallel} needs a model with experts and data_parallel={dp} "
+                         "divisible by it.")
     if layers.tensor_parallel != tp:
         raise ValueError(f"layers are per rank of tensor_parallel={layers.tensor_parallel}, not {tp}.")
     if stage_layers is None:
@@ -144,7 +161,9 @@ def build_costs(
     stages, start = [], 0
     for s, n in enumerate(counts):
         span = range(start, start + n)
-        stage = _stage_cost(layers, cluster, span, dims.group(DP, dims.rank(s % pp, 0)), micro_batch_size, sharding)
+        first = dims.rank(s % pp, 0)
+        stage = _stage_cost(layers, cluster, span, dims.group(DP, first), micro_batch_size, sharding,
+                            (dims.group(EP, first), dims.group(EDP, first)))
         stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),
                               weight_fraction=1.0 if s == 0 else stage.weight_fraction))  # torch: no I on the first
         start += n
@@ -175,12 +194,26 @@ def _weight_pass_bytes(layers: Layers, span: range, micro_batch_size: int, messa
     return output_grad + sum(layers.weight_grad_bytes[i] for i in span) * micro_batch_size
 
 
+def a2a_time(nbytes: float, group: int, bandwidth: float, latency: float) -> float:
+    """An all-to-all over `group` ranks of `nbytes` per rank (all its rows, its own share included): each rank sends
+    and receives (group - 1) / group of them, one message per peer."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
+
+
 def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int], micro_batch_size: int,
-                sharding: str) -> StageCost:
+                sharding: str, experts: tuple[list[int], list[int]] = ([0], [0])) -> StageCost:
     """One stage (layers `span`) for one micro-batch: compute from calibrated layer times or FLOPs (recomputation
-    repeats the forward), tp collectives, dp collectives over its data-parallel `group` (global ranks)."""
+    repeats the forward), tp collectives, dp collectives over its data-parallel `group` (global ranks); with expert
+    parallel (`experts`: its expert-parallel group and the experts' copies), the experts' share gathered over the
+    copies and their all-to-alls."""
     mbs, recompute = micro_batch_size, 1.0 if layers.recompute else 0.0
     p = sum(layers.params[i] for i in span)
+    ep_group, copies = experts
+    ep = len(ep_group)
+    pe = sum(layers.expert_params[i] for i in span) if layers.expert_params else 0
+    dense = p - pe if ep > 1 else p
     if layers.times:  # calibrated per-layer seconds
         fwd = sum(layers.times[i][0] for i in span) * mbs
         bwd = sum(layers.times[i][1] for i in span) * mbs + recompute * fwd
@@ -193,19 +226,26 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int],
     dp = len(group)
     bw, lat = cluster.group_bandwidth(group), cluster.latency
     wire = layers.wire
-    gather = ring_time(wire.weights * p, dp, bw, lat) if sharding == "full" else 0.0
+    # (parameters, group size, its bandwidth): the dense weights over dp, each rank's 1/ep of the experts over copies
+    parts = [(dense, dp, bw)] + ([(pe / ep, len(copies), cluster.group_bandwidth(copies))] if ep > 1 else [])
+    ring = lambda nbytes_per_param: sum(ring_time(nbytes_per_param * n, g, b, lat) for n, g, b in parts)  # noqa: E731
+    gather = ring(wire.weights) if sharding == "full" else 0.0
     if sharding == "full":  # reduce-scatter (bf16 in the paper's regime)
-        reduce = ring_time(wire.grads * p, dp, bw, lat)
+        reduce = ring(wire.grads)
     elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, all-gather of updated params
-        reduce = ring_time(4 * p, dp, bw, lat) + ring_time(wire.weights * p, dp, bw, lat)
+        reduce = ring(4) + ring(wire.weights)
     else:  # all-reduce
-        reduce = 2 * ring_time(wire.grads * p, dp, bw, lat)
+        reduce = 2 * ring(wire.grads)
+    a2a = 0.0
+    if ep > 1 and layers.a2a_bytes:  # two all-to-alls per MoE layer and pass (dispatch, combine)
+        a2a = 2 * a2a_time(sum(layers.a2a_bytes[i] for i in span) * mbs, ep, cluster.group_bandwidth(ep_group), lat)
     work = max(layers.workspace[i] for i in span) * mbs if layers.workspace else 0.0
     return StageCost(fwd + fwd_tp + cluster.overhead, bwd + bwd_tp + cluster.overhead, p,
                      sum(layers.activation_bytes[i] for i in span) * mbs, gather, reduce,
                      reduce_host=cluster.grad_scale * p, workspace=work,
                      inter_node=len({r // cluster.devices for r in group}) > 1, weight_bytes=wire.weights,
-                     grad_bytes=wire.grads)
+                     grad_bytes=wire.grads, expert_params=pe if ep > 1 else 0, expert_parallel=ep, a2a_forward=a2a,
+                     a2a_backward=a2a)
 
 
 def _p2p_links(cluster: Cluster, dims: ParallelDims, message: float) -> tuple[dict, frozenset]:

@@ -1,9 +1,9 @@
 """What the cost model knows of a model — its pipeline layers as data (`Layers`) — and one source of
-such data: the analytic shape of a decoder-only transformer (`Model`)."""
+such data: the analytic shape of a decoder-only transformer (`Model`), dense or a mixture of experts."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cluster import Cluster
 
@@ -35,9 +35,12 @@ class WireBytes:
 class Layers:
     """A model's pipeline layers, in order, as the cost model sees them (any model: measure or derive these).
 
-    params: parameters per layer. forward_flops: forward FLOPs per token per layer. activation_bytes: bytes a
-    layer saves for backward per sample of a micro-batch. seq: tokens per sample. width: elements per token sent
-    between stages. recompute: activation checkpointing (backward repeats the forward). times: measured
+    params: parameters per layer (`expert_params` of them a mixture's experts, split by expert parallel, whose
+    tokens cross ranks in all-to-alls of `a2a_bytes` per sample: four per MoE layer and micro-batch, dispatch and
+    combine in forward and their gradients in backward). forward_flops: forward FLOPs per token per layer.
+    activation_bytes: bytes a layer saves for backward per sample of a micro-batch. seq: tokens per sample. width:
+    elements per token sent between stages. recompute: activation checkpointing (backward repeats the forward). times:
+    measured
     (forward, backward) seconds per layer per sample, or None (FLOPs / the cluster's achieved FLOP/s).
     tensor_parallel: the tp group these numbers are per rank of (params, FLOPs, activations already / tp).
     tp_comm: per layer, the tensor-parallel collectives of one sample (forward count, forward bytes, backward
@@ -62,6 +65,8 @@ class Layers:
     workspace: tuple[float, ...] | None = None
     wire: WireBytes = WireBytes()
     weight_grad_bytes: tuple[float, ...] | None = None
+    expert_params: tuple[int, ...] | None = None  # of `params`, a mixture of experts' experts (expert parallel splits)
+    a2a_bytes: tuple[float, ...] | None = None  # per layer and sample: bytes of one all-to-all (dispatch or combine)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -91,11 +96,37 @@ class Model:
     seq: int
     vocab: int
     checkpointing: bool = False
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts, `top_k` per token
+    top_k: int = 2
+    expert_ffn: int | None = None  # an expert's hidden width (None: 4 x n_embd, as the example's MLP)
+    gated_experts: bool = False  # SwiGLU experts (3 matrices: Mixtral, DeepSeek), else 2 (the example's GELU MLP)
+    shared_experts: int = 0  # experts every token also goes through (DeepSeek's)
 
     @classmethod
     def from_dict(cls, cfg: Mapping) -> Model:
+        moe = {k: cfg[k] for k in ("n_experts", "top_k", "expert_ffn", "gated_experts", "shared_experts") if k in cfg}
         return cls(int(cfg["n_layer"]), int(cfg["n_head"]), int(cfg["n_embd"]), int(cfg["block_size"]),
-                   int(cfg["vocab_size"]), bool(cfg.get("activation_checkpointing", False)))
+                   int(cfg["vocab_size"]), bool(cfg.get("activation_checkpointing", False)), **moe)
+
+    # ---- a block's MLP: dense (4h, GELU) or a mixture of experts ----
+    @property
+    def _expert_matrices(self) -> int:
+        """Parameters of one expert (or of the dense MLP): its matrices x width x hidden width."""
+        f = self.expert_ffn or 4 * self.n_embd
+        return (3 if self.gated_experts else 2) * self.n_embd * f
+
+    def _mlp_params(self) -> tuple[int, int]:
+        """(parameters of a block's MLP, the experts' part of them) on one rank of no tensor parallel."""
+        if not self.n_experts:
+            return 8 * self.n_embd * self.n_embd + 5 * self.n_embd, 0
+        experts = self.n_experts * self._expert_matrices
+        return experts + self.shared_experts * self._expert_matrices + self.n_embd * self.n_experts, experts
+
+    def _mlp_active(self) -> float:
+        """Matrix-multiply weights a token meets in a block's MLP (top_k and the shared experts, and the router)."""
+        if not self.n_experts:
+            return 8.0 * self.n_embd * self.n_embd
+        return (self.top_k + self.shared_experts) * self._expert_matrices + self.n_embd * self.n_experts
 
     # Layers in pipeline order, as examples/gpt.py's pipeline_layers(): [embedding, *blocks, head].
     @property
@@ -106,23 +137,33 @@ class Model:
         """Parameters per layer (per tp rank: split matrices and their column biases / tp; row biases, norms and
         position embeddings whole, as examples/gpt.py's tp plan; the untied embedding and head split by vocab)."""
         h, t = self.n_embd, tensor_parallel
-        block = (12 * h * h + 7 * h) // t + 6 * h  # qkv + proj + 4h MLP, 2 layer norms
+        block = (4 * h * h + 2 * h + self._mlp_params()[0]) // t + 6 * h  # qkv + proj + MLP, 2 layer norms
         return [self.vocab * h // t + self.seq * h] + [block] * self.n_layer + [self.vocab * h // t + 2 * h]
+
+    def layer_expert_params(self, tensor_parallel: int = 1) -> list[int]:
+        """Of `layer_params`, the experts' per layer (what expert parallel splits)."""
+        block_experts = self._mlp_params()[1] // tensor_parallel
+        return [0] + [block_experts] * self.n_layer + [0]
+
+    def layer_a2a_bytes(self) -> list[float]:
+        """Bytes of one of a MoE block's all-to-alls per sample: each token's top_k copies of its activation."""
+        return [0.0] + [float(ACT_BYTES * self.seq * self.top_k * self.n_embd)] * self.n_layer + [0.0]
 
     def layer_forward_flops(self, tensor_parallel: int = 1) -> list[float]:
         """Forward FLOPs per token per layer (per tp rank): 2 x params for matmuls, plus 4*seq*h for attention
         scores and values (non-causal count, as Megatron's formula); the embedding lookup is free."""
         h, s, t = self.n_embd, self.seq, tensor_parallel
-        block = (2 * (12 * h * h) + 4 * s * h) / t
+        block = (2 * (4 * h * h + self._mlp_active()) + 4 * s * h) / t
         return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h / t]
 
     def _block_activation(self, b: int, t: int, sp: bool) -> float:
         """Korthikanti et al. 2022 (bf16, dropout): s*b*h*(34 + 5as/h) per block; with tp t, the split
         layers' part / t (10 + 24/t + 5as/(ht)); with sequence parallel too, everything / t."""
         h, s, a = self.n_embd, self.seq, self.n_head
+        mlp = self._mlp_active() / (8.0 * h * h)  # a mixture's MLP part (19 of the 34) by the weights a token meets
         if sp:
-            return s * b * h * (34 / t + 5 * a * s / (h * t))
-        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+            return s * b * h * ((15 + 19 * mlp) / t + 5 * a * s / (h * t))
+        return s * b * h * (10 + (5 + 19 * mlp) / t + 5 * a * s / (h * t))
 
     def layer_activation_bytes(self, micro_batch_size: int, tensor_parallel: int = 1,
                                sequence_parallel: bool = False) -> list[float]:
@@ -178,14 +219,17 @@ class Model:
         if self.n_head % t or self.vocab % t:
             raise ValueError(f"tensor_parallel={t} must divide n_head={self.n_head} and vocab_size={self.vocab}.")
         times = self.layer_times(cluster, 1, t) if cluster is not None else None
-        full = Model(self.n_layer, self.n_head, self.n_embd, self.seq, self.vocab)  # un-checkpointed activations
+        full = replace(self, checkpointing=False)  # un-checkpointed activations
         return Layers(tuple(self.layer_params(t)), tuple(self.layer_forward_flops(t)),
                       tuple(self.layer_activation_bytes(1, t, sp)), self.seq, self.n_embd, self.checkpointing,
                       tuple(times) if times else None, t, tuple(self.layer_tp_comm(t)),
                       tuple(full.layer_activation_bytes(1, t, sp)),
-                      weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp)))
+                      weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp)),
+                      expert_params=tuple(self.layer_expert_params(t)) if self.n_experts else None,
+                      a2a_bytes=tuple(self.layer_a2a_bytes()) if self.n_experts else None)
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (``training_flops_per_token``): for MFU and tokens per second."""
         h = self.n_embd
-        return training_flops_per_token(12 * h * h * self.n_layer + self.vocab * h, self.n_layer, h, self.seq)
+        matmul = (4 * h * h + self._mlp_active()) * self.n_layer + self.vocab * h  # a mixture's: the weights met
+        return training_flops_per_token(matmul, self.n_layer, h, self.seq)

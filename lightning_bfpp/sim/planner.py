@@ -1,5 +1,6 @@
 """Search the layouts of a model on a cluster for one global batch size — (pp, dp, tp), loops,
-micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy — by
+micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy, and for a mixture of
+experts the expert-parallel size — by
 simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s."""
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Candidate:
     sequence_parallel: bool = False
     residency: str = "step"  # cost model only unless "step": FSDP weight residency (sim/residency.py)
     cache: int = 0  # stages kept gathered under residency="cache"
+    expert_parallel: int = 1  # data-parallel ranks splitting each MoE layer's experts
 
     def spec(self) -> ScheduleSpec:
         return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
@@ -57,7 +59,8 @@ class Candidate:
     def dims(self, devices_per_node: int | None = None) -> ParallelDims:
         """The layout as the runtime checks it (the cost-model-only sharding "optimizer" aside)."""
         return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.tensor_parallel, spec=self.spec(),
-                            tensor_parallel=self.tensor_parallel, devices_per_node=devices_per_node)
+                            tensor_parallel=self.tensor_parallel, devices_per_node=devices_per_node,
+                            expert_parallel=self.expert_parallel)
 
     def overrides(self, *, cluster: str | None = None, model: str | None = None,
                   batch_size: int | None = None) -> list[str]:
@@ -73,6 +76,7 @@ class Candidate:
             f"schedule.tensor_parallel={self.tensor_parallel}",
         ]
         out += ["schedule.sequence_parallel=true"] if self.sequence_parallel else []
+        out += [f"schedule.expert_parallel={self.expert_parallel}"] if self.expert_parallel > 1 else []
         out += [f"model={model}"] if model else []
         out += [f"cluster={cluster}"] if cluster else []
         out += [f"data.batch_size={batch_size}"] if batch_size else []
@@ -126,6 +130,7 @@ def candidates(
     tensor_parallels: Sequence[int] | None = None,
     sequence_parallels: Sequence[bool] = (False, True),
     residencies: Sequence[str] = RESIDENCIES,
+    expert_parallels: Sequence[int] = (1,),
 ) -> Iterable[Candidate]:
     """Every legal layout using the whole cluster (world = pp * dp * tp, tp dividing a node's devices and the
     model's heads; `tensor_parallels` None: all such tp). pp=1 is plain FSDP/DDP with
@@ -135,7 +140,8 @@ def candidates(
 
     Micro-batch counts ascend for each (tp, pp) up to the replica's batch (`max_micro_batches`: a cap, None:
     none); within one count, cheaper-in-memory variants (groups, reshard after forward, residency) follow
-    the faster one they trade against."""
+    the faster one they trade against. `expert_parallels`: expert-parallel sizes to try (those dividing dp and the
+    model's experts)."""
     world = cluster.world_size
     tps = [t for t in (tensor_parallels or divisors(cluster.devices)) if model.n_head % t == 0 and model.vocab % t == 0]
     for tp, pp in ((t, p) for t in tps for p in divisors(world // t)):
@@ -154,8 +160,11 @@ def candidates(
                 break
             for name, lp, groups in _orders(schedules, loops, m, max_groups):
                 for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
-                    for raf, residency, cache in _fsdp_variants(sharding, lp, residencies):
-                        c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache)
+                    for (raf, residency, cache), ep in ((v, e) for v in _fsdp_variants(sharding, lp, residencies)
+                                                        for e in expert_parallels):
+                        if ep > 1 and (not model.n_experts or model.n_experts % ep):
+                            continue
+                        c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache, ep)
                         try:
                             c.dims(cluster.devices).validate(num_layers=model.num_layers, global_batch=batch_size)
                         except ScheduleError:
@@ -193,7 +202,7 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
     return build_costs(model, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
                        data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
                        micro_batches=c.micro_batches, sharding=c.sharding, tensor_parallel=c.tensor_parallel,
-                       sequence_parallel=c.sequence_parallel)
+                       sequence_parallel=c.sequence_parallel, expert_parallel=c.expert_parallel)
 
 
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
@@ -211,7 +220,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     for rank in range(pp):
         local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
         params = sum(st.params for st in local)
-        state = state_bytes(params, c.sharding, c.data_parallel)
+        state = state_bytes(params, c.sharding, c.data_parallel, sum(st.gathered_params for st in local))
         act = sum(st.activation for st in local)
         if c.schedule in ("gpipe", "breadth_first"):
             live = c.micro_batches // c.groups * act
@@ -221,7 +230,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
             live = min(pp, c.micro_batches) * act
         else:
             live = max(st.activation for st in local)
-        gathered = max(st.weight_bytes * st.params for st in local) if c.sharding == "full" else 0.0
+        gathered = max(st.weight_bytes * st.gathered_params for st in local) if c.sharding == "full" else 0.0
         worst = max(worst, state + live + gathered + min(st.workspace for st in local))
     return worst
 
@@ -229,7 +238,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
 def _family(c: Candidate) -> tuple:
     """A candidate up to its memory-for-speed knobs (groups, reshard after forward, residency)."""
     return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding,
-            c.tensor_parallel, c.sequence_parallel)
+            c.tensor_parallel, c.sequence_parallel, c.expert_parallel)
 
 
 def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
@@ -251,8 +260,11 @@ def _fastest_variant(c: Candidate) -> bool:
 
 def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
     """Cheap pre-filter: the sharded/replicated state of the heaviest rank alone must fit."""
-    per_rank = sum(model.layer_params()) / (c.pipeline_parallel * c.tensor_parallel)
-    return state_bytes(per_rank, c.sharding, c.data_parallel) < cluster.usable_memory
+    model_split = c.pipeline_parallel * c.tensor_parallel  # a replica's ways of cutting the model
+    local_params = sum(model.layer_params()) / model_split
+    experts_elsewhere = sum(model.layer_expert_params()) * (1 - 1 / c.expert_parallel) / model_split
+    return state_bytes(local_params, c.sharding, c.data_parallel, local_params - experts_elsewhere) \
+        < cluster.usable_memory
 
 
 def search(
@@ -313,7 +325,8 @@ def search(
 
 
 def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
-    head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'tp':>3} {'loops':>5} {'m':>4} {'mbs':>4} {'grp':>3} "
+    head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'tp':>3} {'ep':>3} {'loops':>5} {'m':>4} {'mbs':>4} "
+            f"{'grp':>3} "
             f"{'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} "
             f"{'exp.comm ms':>11}")
     rows = [head, "-" * len(head)]
@@ -323,7 +336,7 @@ def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
         exposed = "" if p.exposed_comm is None else f"{p.exposed_comm * 1e3:.1f}"
         rows.append(
             f"{i:>3} {c.schedule:<16} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}"
-            f"{'s' if c.sequence_parallel else ' '}{c.loops:>5} {c.micro_batches:>4} "
+            f"{'s' if c.sequence_parallel else ' '}{c.expert_parallel:>3}{c.loops:>5} {c.micro_batches:>4} "
             f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
             f"{c.residency + (str(c.cache) if c.cache else ''):<6} "
             f"{p.tokens_per_second_per_device:>11.1f} {p.step_time * 1e3:>9.1f} {p.peak_memory / 1e9:>8.2f} "

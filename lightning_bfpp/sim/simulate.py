@@ -24,11 +24,17 @@ class SimOptions:
         reduce_at_end: gradient reductions run after the whole pipeline flush, one after the other
             (Megatron-LM's data-parallel all-reduce), instead of at each REDUCE_GRAD.
         blocking_reduce: the rank waits for each REDUCE_GRAD to finish (the CPU/gloo runtime does).
+        expert_overlap: a micro-batch's expert all-to-alls (``StageCost.a2a_forward`` / ``a2a_backward``) run while
+            the rank computes its next action when that is another micro-batch's (in a breadth-first pass: the
+            same stage's next micro-batch; DualPipe's and Megatron's combined 1F1B overlap a forward with another
+            micro-batch's backward the same way); only what that compute does not cover is exposed. Off: every
+            all-to-all is on the critical path (the runtime today).
     """
 
     blocking_p2p: bool = False
     reduce_at_end: bool = False
     blocking_reduce: bool = False
+    expert_overlap: bool = False
 
 
 MEGATRON = SimOptions(blocking_p2p=True, reduce_at_end=True)
@@ -104,7 +110,8 @@ _KIND = {_F: "F", _B: "B", _I: "I", _W: "W"}
 
 def _compile(schedule: Schedule) -> list[list[tuple]]:
     """Per rank, the actions as tuples the simulator can play fast (receives are only posting points:
-    the consuming compute waits for the data). Cached on the schedule object."""
+    the consuming compute waits for the data); a compute ends with the rank's next compute (code, stage) when that is
+    another micro-batch's (the work its all-to-alls may hide behind), else None. Cached on the schedule object."""
     cached = schedule.__dict__.get("_sim_program")
     if cached is not None:
         return cached
@@ -120,9 +127,9 @@ def _compile(schedule: Schedule) -> list[list[tuple]]:
                 need = None if (s == 0 if fwd else s == last) else (s, fwd, mb)
                 nxt = s + 1 if fwd else s - 1
                 local = (nxt, fwd, mb) if 0 <= nxt <= last and spec.stage_rank(nxt) == rank else None
-                prog.append((_F if fwd else _B if op is Op.BACKWARD else _I, s, mb, need, local))
+                prog.append([_F if fwd else _B if op is Op.BACKWARD else _I, s, mb, need, local, None])
             elif op is Op.BACKWARD_WEIGHT:  # after its own I, on this rank
-                prog.append((_W, s, mb, (s, "W", mb), None))
+                prog.append([_W, s, mb, (s, "W", mb), None, None])
             elif op is Op.SEND_F or op is Op.SEND_B:
                 fwd = op is Op.SEND_F
                 dst = s + 1 if fwd else s - 1
@@ -133,7 +140,10 @@ def _compile(schedule: Schedule) -> list[list[tuple]]:
                 prog.append((_RESHARD, s))
             elif op is Op.REDUCE_GRAD:
                 prog.append((_REDUCE, s))
-        programs.append(prog)
+        computes = [a for a in prog if isinstance(a, list)]
+        for a, b in zip(computes, computes[1:]):
+            a[5] = (b[0], b[1]) if b[2] != a[2] else None
+        programs.append([tuple(a) for a in prog])
     schedule.__dict__["_sim_program"] = programs
     return programs
 
@@ -191,7 +201,8 @@ class _Play:
                 self.unshard(r, a[1])
             elif code == _RESHARD:
                 if self.full:
-                    r.mem.append((r.host, -self.stages[a[1]].weight_bytes * self.stages[a[1]].params, "weights"))
+                    st = self.stages[a[1]]
+                    r.mem.append((r.host, -st.weight_bytes * st.gathered_params, "weights"))
             elif code == _REDUCE:
                 r.host += self.stages[a[1]].reduce_host  # the runtime scales the stage's gradients on the host first
                 if self.options.reduce_at_end:
@@ -206,7 +217,7 @@ class _Play:
     def compute(self, r: _Rank, a: tuple) -> bool:
         """A forward or backward: starts when the host, its weights and its input are ready; False if the
         input is not produced yet. Records activation, workspace, unsharded-gradient and weight-pass bytes."""
-        code, s, mb, need, local = a
+        code, s, mb, need, local, hide = a
         if need is None:
             t_in = 0.0
         elif need in self.inputs:
@@ -215,13 +226,16 @@ class _Play:
             return False
         st = self.stages[s]
         t0 = max(r.host, r.ready.get(s, 0.0), t_in)
+        compute = self._compute_time(st, code)
+        exposed = self._a2a(st, code)  # its expert all-to-alls, or what the next micro-batch's compute leaves of them
+        if exposed and hide is not None and self.options.expert_overlap:
+            exposed = max(0.0, exposed - self._compute_time(self.stages[hide[1]], hide[0]))
+        dur = compute + exposed
         if code == _F:
-            dur = st.forward
             r.mem.append((t0, st.activation, "activations"))
             if self.schedule.spec.forward_only:
                 r.mem.append((t0 + dur, -st.activation, "activations"))
         else:  # a backward, or its input part I (the activations stay for W) or its weight part W
-            dur = st.backward * (1 - st.weight_fraction if code == _I else st.weight_fraction if code == _W else 1)
             if code == _I:  # what it keeps for W stays until W ends
                 self.inputs[(s, "W", mb)] = t0 + dur
                 r.mem.append((t0 + dur, st.weight_pass_bytes, "weight_pass"))
@@ -233,14 +247,25 @@ class _Play:
                 r.mem += [(t0, st.workspace, "workspace"), (t0 + dur, -st.workspace, "workspace")]
             if self.full and s not in r.grads:
                 r.grads.add(s)
-                r.mem.append((t0, st.grad_bytes * st.params, "gradients"))
+                r.mem.append((t0, st.grad_bytes * st.gathered_params, "gradients"))
         r.host = t0 + dur
-        r.busy += dur
+        r.busy += compute
         if self.events is not None:
             self.events.append(Event(r.rank, _KIND[code], s, mb, t0, r.host))
         if local is not None:
             self.inputs[local] = r.host
         return True
+
+    @staticmethod
+    def _compute_time(st, code: int) -> float:
+        if code == _F:
+            return st.forward
+        return st.backward * (1 - st.weight_fraction if code == _I else st.weight_fraction if code == _W else 1)
+
+    @staticmethod
+    def _a2a(st, code: int) -> float:
+        """Seconds of a compute action's expert all-to-alls (a split backward's are in its input part)."""
+        return st.a2a_forward if code == _F else 0.0 if code == _W else st.a2a_backward
 
     def send(self, r: _Rank, a: tuple) -> None:
         """A pipeline message on its rank pair's link (in order); an inter-node one shares the interface."""
@@ -266,7 +291,7 @@ class _Play:
         r.ag_free = r.ready[s] = t0 + st.unshard
         if st.inter_node:
             r.nic, r.ag_stage = r.ag_free, s
-        r.mem.append((t0, st.weight_bytes * st.params, "weights"))
+        r.mem.append((t0, st.weight_bytes * st.gathered_params, "weights"))
         if self.events is not None and st.unshard:
             self.events.append(Event(r.rank, "UNSHARD", s, None, t0, r.ag_free))
 
@@ -281,7 +306,7 @@ class _Play:
             self.events.append(Event(r.rank, "REDUCE", s, None, t0, r.rs_free))
         if self.full and s in r.grads:
             r.grads.discard(s)
-            r.mem.append((r.rs_free, -st.grad_bytes * st.params, "gradients"))
+            r.mem.append((r.rs_free, -st.grad_bytes * st.gathered_params, "gradients"))
 
     def result(self) -> SimResult:
         """Step time: the last of every rank's host (+ per-step overhead), streams and outgoing links."""
@@ -298,7 +323,8 @@ class _Play:
 
 def _static_bytes(stages: list[int], costs: Costs) -> float:
     """Bytes held for the whole step: the parameter/optimizer state of the rank's stages."""
-    return state_bytes(sum(costs.stages[s].params for s in stages), costs.sharding, costs.data_parallel)
+    return state_bytes(sum(costs.stages[s].params for s in stages), costs.sharding, costs.data_parallel,
+                       sum(costs.stages[s].gathered_params for s in stages))
 
 
 def _share_nic(r: _Rank, t: float, delay: float) -> None:

@@ -1,0 +1,187 @@
+"""Expert parallel without processes: the layout's rules (ParallelDims: ep inside dp, its groups and coordinates, the
+settings it refuses), which modules are experts, the models and settings BFPPStrategy refuses before launch, and the
+example's mixture of experts in one process (its router loss over micro-batches from the step's totals, its grouped
+matmul). Trained against one process: tests/test_hf_exact.py (Mixtral, Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2)
+and tests/test_tensor_parallel.py (the example's MoE at ep=2, resumed across expert-parallel sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt import GPT, Experts, GPTConfig, grouped_matmul
+
+from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.contract.step_totals import StepTotals, step_totals
+from lightning_bfpp.layout.experts import check_experts, experts_modules, is_experts
+from lightning_bfpp.schedule import ScheduleSpec
+from lightning_bfpp.schedule.dims import DP, EDP, EP, LayoutError, ParallelDims, default_pipeline_parallel
+
+MOE = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, n_experts=4, top_k=2, router_aux_loss_coef=0.5)
+
+
+def _dims(world: int, pp: int, ep: int, **kw) -> ParallelDims:
+    return ParallelDims(world=world, spec=ScheduleSpec(pipeline_parallel=pp), expert_parallel=ep, **kw).validate()
+
+
+def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_group():
+    dims = _dims(16, 2, 2)  # dp 8 = 4 copies x 2 parts
+    assert (dims.data_parallel, dims.expert_data_parallel, dims.expert_mesh_shape) == (8, 4, (2, 4, 2))
+    assert dims.expert_mesh_dim_names == ("pipeline_parallel", EDP, EP)
+    assert dims.group(EP, 5) == [4, 5] and dims.group(EDP, 5) == [1, 3, 5, 7]
+    assert dims.group(EP, 13) == [12, 13] and dims.group(EDP, 13) == [9, 11, 13, 15]
+    for rank in range(16):  # every data-parallel group is its copies x parts, each rank once
+        copies = {r for part in dims.group(EDP, rank) for r in dims.group(EP, part)}
+        assert copies == set(dims.group(DP, rank))
+        copy, part = dims.expert_coordinates(rank)
+        assert dims.group(EP, rank)[part] == rank and dims.group(EDP, rank)[copy] == rank
+    assert default_pipeline_parallel(8, expert_parallel=2) == 4  # every rank a pipeline rank but the ep replicas
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world=4, pp=2, ep=4), r"expert_parallel=4 must divide the data-parallel size 2 .*use expert_parallel in "
+                                r"\[1, 2\]"),
+    (dict(world=6, pp=2, ep=2), r"expert_parallel=2 must divide the data-parallel size 3"),
+    (dict(world=4, pp=1, ep=2, tensor_parallel=2), r"expert_parallel=2 with tensor_parallel=2: expert parallel does "
+                                                   r"not combine with tensor parallel yet"),
+    (dict(world=4, pp=1, ep=2, sharding="none"), r"expert_parallel=2 with sharding='none'.*use sharding=full"),
+    (dict(world=4, pp=1, ep=0), r"expert_parallel=0 must be a positive integer"),
+])
+def test_bad_expert_parallel_settings_name_the_setting(kwargs, message):
+    with pytest.raises(LayoutError, match=message):
+        _dims(**kwargs)
+
+
+def test_strategy_refuses_bad_expert_parallel_before_launch():
+    with pytest.raises(ValueError, match="expert_parallel=0 must be a positive integer"):
+        BFPPStrategy(pipeline_parallel=2, expert_parallel=0)
+    with pytest.raises(ValueError, match="expert_parallel=2 with tensor_parallel=2"):
+        BFPPStrategy(pipeline_parallel=1, tensor_parallel=2, expert_parallel=2)
+    with pytest.raises(ValueError, match="layout='auto' searches expert_parallel=1 only"):
+        BFPPStrategy(layout="auto", global_batch_size=8, expert_parallel=2)
+    strategy = BFPPStrategy(pipeline_parallel=2, loops=2, expert_parallel=2)  # dp unknown yet: fine
+    assert strategy.expert_parallel == 2 and strategy.plan.checkpoint_meta([])["expert_parallel"] == 2
+
+
+def test_a_model_without_experts_or_with_too_few_is_refused_naming_the_setting():
+    dense = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    with pytest.raises(ValueError, match=r"expert_parallel=2 splits the experts .* GPT has no experts module"):
+        BFPPStrategy(pipeline_parallel=2, loops=2, expert_parallel=2).check_model(dense)
+    moe = GPT(MOE)
+    with pytest.raises(ValueError, match=r"expert_parallel=3 must divide the 4 experts of GPT.blocks.0.mlp.experts"):
+        check_experts(moe, 3)
+    assert check_experts(moe, 2) == ["blocks.0.mlp.experts", "blocks.1.mlp.experts"]
+    BFPPStrategy(pipeline_parallel=2, loops=2, expert_parallel=2).check_model(moe)
+
+
+def test_experts_are_transformers_fused_experts_and_not_their_routers():
+    pytest.importorskip("transformers")
+    from run_hf_exact import hf_model
+
+    for family in ("mixtral", "qwen3_moe", "deepseek_v3"):
+        model = hf_model(family)
+        assert [n for n, _ in experts_modules(model)] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+        gate = model.model.layers[0].mlp.gate
+        assert gate.weight.shape[0] == 4 and not is_experts(gate)  # a router: (experts, width), 2-D
+    assert not list(experts_modules(hf_model("llama")))
+    assert [type(m) for _, m in experts_modules(GPT(MOE))] == [Experts, Experts]
+
+
+def test_the_examples_router_loss_over_micro_batches_is_the_whole_batchs():
+    """What a pipeline step computes, in one process: 4 micro-batches whose losses add routing statistics to the
+    step's totals; the summed gradient over the counted targets equals the whole batch's (router loss included)."""
+    torch.manual_seed(0)
+    model = GPT(MOE)
+    x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
+    loss, items = model.pipeline_loss(model(x), y)
+    (loss / items).backward()
+    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert whole["blocks.0.mlp.router.weight"].abs().max() > 0
+    model.zero_grad()
+    with step_totals(StepTotals()):
+        parts = [model.pipeline_loss(model(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]
+        torch.stack([part for part, _ in parts]).sum().backward()
+    worst = max((p.grad / items - whole[n]).abs().max().item() for n, p in model.named_parameters())
+    assert worst <= 1e-6
+
+
+def test_grouped_matmul_is_one_matmul_per_expert():
+    rows, weights = torch.randn(10, 32), torch.randn(4, 32, 128)
+    ends = torch.tensor([2, 2, 7, 10])  # expert 1 gets no rows
+    want = torch.cat([rows[0:2] @ weights[0], rows[2:7] @ weights[2], rows[7:10] @ weights[3]])
+    torch.testing.assert_close(grouped_matmul(rows, weights, ends), want)
+    odd, odd_weights = torch.randn(10, 6), torch.randn(4, 6, 4)  # 24-byte rows: torch's CPU kernel refuses them
+    want = torch.cat([odd[0:2] @ odd_weights[0], odd[2:7] @ odd_weights[2], odd[7:10] @ odd_weights[3]])
+    torch.testing.assert_close(grouped_matmul(odd, odd_weights, ends), want)
+
+
+# ---- the simulator's mixture of experts (no processes) ----
+def _moe_model():
+    import yaml
+    from launch import ROOT
+
+    from lightning_bfpp.sim import Model
+
+    return Model.from_dict(yaml.safe_load((ROOT / "conf" / "model" / "gpt_moe_tiny.yaml").read_text()))
+
+
+def test_the_simulators_moe_is_the_example_models_shape():
+    """Parameters per pipeline layer, the experts' share and FLOPs per token: the simulator's Model of
+    conf/model/gpt_moe_tiny.yaml against the example GPT built from the same file (one FLOPs formula)."""
+    from gpt import flops_per_token
+
+    model = _moe_model()
+    cfg = GPTConfig(**{k: v for k, v in dataclasses_asdict(model).items()})
+    gpt = GPT(cfg)
+    assert model.layer_params() == [sum(p.numel() for p in layer.parameters()) for layer in gpt.pipeline_layers()]
+    experts = [sum(p.numel() for _, m in experts_modules(layer) for p in m.parameters()) for layer in
+               gpt.pipeline_layers()]
+    assert model.layer_expert_params() == experts and experts[1] > 0
+    assert model.flops_per_token() == flops_per_token(cfg, gpt)
+    # a sample's top_k copies of each token's activation (bf16) per all-to-all
+    assert model.layer_a2a_bytes()[1] == 2 * cfg.block_size * cfg.top_k * cfg.n_embd
+
+
+def dataclasses_asdict(model) -> dict:
+    return dict(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd, block_size=model.seq,
+                vocab_size=model.vocab, n_experts=model.n_experts, top_k=model.top_k)
+
+
+def test_expert_parallel_costs_gather_a_part_of_the_experts_and_add_all_to_alls():
+    from lightning_bfpp.sim import Cluster
+    from lightning_bfpp.sim.cost import build_costs, state_bytes
+
+    model = _moe_model()
+    cluster = Cluster(devices=4, num_nodes=1, flops=1e10, device_memory=8e9, intra_bw=2e9, inter_bw=2e9, latency=5e-5)
+    costs = {ep: build_costs(model, cluster, pipeline_parallel=1, loops=2, data_parallel=4, micro_batch_size=2,
+                             micro_batches=2, expert_parallel=ep) for ep in (1, 2, 4)}
+    for s in range(2):
+        base = costs[1].stages[s]
+        assert base.a2a_forward == base.a2a_backward == 0.0 and base.gathered_params == base.params
+        for ep in (2, 4):
+            st = costs[ep].stages[s]
+            assert st.params == base.params and st.expert_params > 0
+            assert st.gathered_params == base.params - st.expert_params * (1 - 1 / ep)
+            assert st.a2a_forward == st.a2a_backward > 0 and st.unshard < base.unshard
+    assert costs[4].stages[0].a2a_forward > costs[2].stages[0].a2a_forward  # 3/4 of the rows cross, not 1/2
+    # fully sharded, the state per rank is the same; replicated, the experts' part is 1/ep
+    p, whole = 1000.0, 400.0
+    assert state_bytes(p, "full", 4, whole) == state_bytes(p, "full", 4)
+    assert state_bytes(p, "none", 4, whole) == 20 * whole
+
+
+def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_has_more_of_them():
+    """One rank, 4 micro-batches, forward 1 s + 0.5 s of all-to-alls, backward 2 s + 0.5 s. Breadth-first (all
+    forwards F0..F3, then the backwards B0..B3) hides every all-to-all behind the next micro-batch's compute but the
+    step's last; 1F1B (F0 B0 F1 B1 ...) only the backwards' (each forward is followed by its own backward)."""
+    from dataclasses import replace
+
+    from lightning_bfpp.schedule import build_schedule
+    from lightning_bfpp.sim import SimOptions, simulate, unit_costs
+
+    costs = unit_costs(1, 1)
+    costs.stages[0] = replace(costs.stages[0], a2a_forward=0.5, a2a_backward=0.5)
+    times = {}
+    for name in ("gpipe", "1f1b"):
+        schedule = build_schedule(ScheduleSpec(name, pipeline_parallel=1, micro_batches=4))
+        times[name] = [simulate(schedule, costs, SimOptions(expert_overlap=o)).step_time for o in (False, True)]
+    assert times["gpipe"] == [16.0, 12.5] and times["1f1b"] == [16.0, 14.5]

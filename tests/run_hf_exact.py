@@ -7,8 +7,8 @@ attend within a sliding window; Gemma 3 mixes sliding-window and full attention 
 cos/sin, scales its embedding and soft-caps its logits; Mixtral and Qwen3-MoE train their router loss; DeepSeek-V3 has a
 shared expert beside its routed ones and latent attention; see hf_model), tie (tied embeddings; default: the family's
 own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), pp,
-loops, m, steps, batch (global), precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100 in
-every row), accumulate (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a
+loops, m, steps, batch (global), precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100
+in every row), accumulate (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a
 save_pretrained directory: CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents,
 tests/packed_rows.py: token batches with document ids; after fit the logits of the first `batch` rows are predicted,
 "predicted", each data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel).

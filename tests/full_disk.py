@@ -16,10 +16,13 @@ from lightning_bfpp.checkpoint import storage
 
 
 def used_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder`; another rank may be deleting them meanwhile (a failed save's folder): os.walk
+    passes over a folder gone while it lists it (Path.rglob raised FileNotFoundError there, a race seen under load)."""
     total = 0
-    for f in folder.rglob("*"):
-        with contextlib.suppress(OSError):  # another rank may be deleting it
-            total += f.stat().st_size if f.is_file() else 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
     return total
 
 

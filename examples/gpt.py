@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_bfpp.contract.context_parallel import attention, token_positions
 from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
 from lightning_bfpp.sim.model import training_flops_per_token
 
@@ -56,7 +57,7 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = token_positions(idx.shape[1], idx.device)  # 0..T-1; under context parallel this rank's tokens' positions
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -83,7 +84,9 @@ class Block(nn.Module):
         B, T, _ = h.shape  # the whole sequence (under sequence parallel x is this rank's shard; h is gathered)
         # (B, nh, T, hs); under tensor parallel nh is this rank's heads (q/k/v hold n_head / tp heads' columns)
         q, k, v = (f(h).view(B, T, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        # F.scaled_dot_product_attention; under context parallel (T: this rank's share of the sequence) over the keys
+        # and values of the whole sequence, gathered from the context-parallel ranks
+        y = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)  # re-assemble heads: (B, T, nh * hs)
         x = x + self.resid_drop(self.proj(y))
         return x + self.mlp(self.ln_2(x))
@@ -203,6 +206,11 @@ class GPT(PipelineHooks, L.LightningModule):
         scatter = RowwiseParallel(output_layouts=Shard(1))  # its output summed over tp and cut to this rank's shard
         return {**plan, "proj": scatter, "mlp.2": scatter,
                 "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(gather_output=True)}
+
+    def pipeline_context_parallel(self, layer_name: str, layer: nn.Module, context_parallel: int) -> bool:
+        """Every layer runs on a shard of each sequence: the embedding takes its tokens' positions from
+        token_positions, a block attends through contract.context_parallel.attention, the head is per token."""
+        return isinstance(layer, (Embedding, Block, Head))
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed nats, counted targets): targets of -100 (prompt tokens, padding) are not counted, and bfpp trains

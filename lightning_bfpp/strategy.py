@@ -40,7 +40,7 @@ from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import resume_training_loader
 from .layout.auto import AutoLayout
 from .layout.materialize import has_meta_tensors
-from .layout.mesh import build_mesh, forget_groups
+from .layout.mesh import build_mesh, forget_groups, parameter_mesh
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import layer_plans
@@ -66,6 +66,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             ``pipeline_tp_plan`` (``lightning_bfpp.layout.tensor_parallel``).
         sequence_parallel: with tensor_parallel > 1, activations between split modules and across stages are each
             tp rank's 1/tp of the sequence; the sequence length must divide by tp. Default: off.
+        context_parallel: ranks sharing every sequence (cp; mesh pp x dp x cp x tp): each holds 1/cp of it and
+            attention gathers the rest (docs/context_parallel.md); the sequence length must divide by 2 x cp.
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb".
@@ -105,7 +107,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self,
         pipeline_parallel: int | None = None, tensor_parallel: int = 1, loops: int | None = None,
         sequence_parallel: bool | None = None, micro_batches: int | None = None, schedule: str | None = None,
-        groups: int | None = None,
+        groups: int | None = None, context_parallel: int = 1,
         sharding: Literal["full", "none"] | None = None, reshard_after_forward: bool | None = None,
         stage_layers: Sequence[int] | Literal["auto"] | None = None, activation_checkpointing: bool = False,
         nonfinite_loss: Literal["stop", "skip"] = "stop", max_consecutive_skips: int = 5,
@@ -121,7 +123,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._training = TrainingStep(measure_every_n_steps, nonfinite_loss, max_consecutive_skips)
         # the layout, checked now (before any process starts), then again with the world and the model
         self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
-                               groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size)
+                               groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size,
+                               context_parallel)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -143,6 +146,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     pipeline_parallel = property(lambda self: self.plan.dims.pipeline_parallel)
     tensor_parallel = property(lambda self: self.plan.dims.tensor_parallel)
     sequence_parallel = property(lambda self: self.plan.dims.sequence_parallel)
+    context_parallel = property(lambda self: self.plan.dims.context_parallel)
     data_parallel = property(lambda self: self.plan.dims.data_parallel)
     sharding = property(lambda self: self.plan.dims.sharding)
     loops = property(lambda self: self.plan.dims.spec.loops)
@@ -245,7 +249,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         # Lightning's plugin as a subclass (``adapter.precision``): the global norm, no autocast where FSDP2 casts
-        clip = partial(clip_grad_norm_on_mesh, mesh=self.device_mesh, sharded=self.dims.sharded, tied=self.tied)
+        clip = partial(clip_grad_norm_on_mesh, mesh=parameter_mesh(self.dims, self.device_mesh),
+                       sharded=self.dims.sharded, tied=self.tied)
         self.precision_plugin = pipeline_precision(self.precision_plugin, clip, self._fsdp_mixed_precision,
                                                    self._training.before_optimizer_step)
 
@@ -286,7 +291,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
                                                  self.activation_checkpointing, self.compile)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims, self.compile)
+                                      module.pipeline_loss, self.dims, self.compile, say=rank_zero_info)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

@@ -1,7 +1,7 @@
 """Train a tiny example GPT with strategy=bfpp and tensor parallel, several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
-Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt
+Config keys: pp, tp, sp (sequence parallel), cp (context parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt
 (sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt and padding targets of -100),
 accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
@@ -76,9 +76,10 @@ class Losses(Callback):
 def run(cfg: dict, devices: int, out: Path) -> None:
     torch.manual_seed(0)
     model = GPT(model_config(cfg.get("tied", False)), optim_config(cfg.get("opt", "sgd")))
-    pp, tp = cfg.get("pp", 1), cfg.get("tp", 1)
+    pp, tp, cp = cfg.get("pp", 1), cfg.get("tp", 1), cfg.get("cp", 1)
     strategy = BFPPStrategy(
         pipeline_parallel=pp, tensor_parallel=tp, sequence_parallel=cfg.get("sp"), loops=cfg.get("loops", 1),
+        context_parallel=cp,
         micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
         activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120),
@@ -95,7 +96,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=callbacks,
     )
-    dp = devices // (pp * tp)
+    dp = devices // (pp * tp * cp)
     loader = DataLoader(dataset(cfg.get("ignored", False)), batch_size=cfg.get("batch", 8) // dp, shuffle=False,
                         drop_last=True)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))

@@ -4,6 +4,7 @@ one set of rules in ``schedule.dims``; the training schedule built for it."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -12,6 +13,7 @@ from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
+from .context_parallel import check_context_parallel
 from .cut import check_stage_layers, plan_stages
 from .layer_cost import auto_stage_layers
 from .materialize import has_meta_tensors
@@ -32,7 +34,8 @@ class LayoutPlan:
                  loops: int | None,
                  micro_batches: int | None, schedule: str | None, groups: int | None, sharding: str | None,
                  reshard_after_forward: bool | None, stage_layers: Sequence[int] | Literal["auto"] | None,
-                 layout: Literal["auto"] | AutoLayout | None, global_batch_size: int | None) -> None:
+                 layout: Literal["auto"] | AutoLayout | None, global_batch_size: int | None,
+                 context_parallel: int = 1) -> None:
         given = dict(pipeline_parallel=pipeline_parallel, loops=loops, micro_batches=micro_batches, groups=groups,
                      schedule=schedule, sharding=sharding, reshard_after_forward=reshard_after_forward)
         self.auto_layout = AutoLayout() if layout == "auto" else layout  # decided once the world is up (`decide`)
@@ -44,9 +47,10 @@ class LayoutPlan:
                              "optimizer step over all replicas (layout='auto' needs global_batch_size: every candidate "
                              "layout trains that same batch, each replica loading global_batch_size / data_parallel, "
                              "strategy.replica_batch_size).")
-        if self.auto_layout and tensor_parallel != 1:
-            raise ValueError("layout='auto' searches tensor_parallel=1 only; set the layout by hand for "
-                             f"tensor_parallel={tensor_parallel!r}.")
+        for name, value in (("tensor_parallel", tensor_parallel), ("context_parallel", context_parallel)):
+            if self.auto_layout and value != 1:
+                raise ValueError(f"layout='auto' searches {name}=1 only; set the layout by hand for "
+                                 f"{name}={value!r}.")
         self.global_batch_size = global_batch_size
         self.decided = False  # layout="auto": decided in `decide`
         # pp = world size, decided once the world is known (layout="auto": the planner's)
@@ -63,8 +67,9 @@ class LayoutPlan:
         # Bad settings fail here, before any process starts: the layout's rules (``schedule.dims``) with the world
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
-        self.dims = ParallelDims(world=pp * tensor_parallel if isinstance(tensor_parallel, int) else pp, spec=spec,
-                                 tensor_parallel=tensor_parallel, sharding=sharding,
+        sizes = [n for n in (tensor_parallel, context_parallel) if isinstance(n, int)]
+        self.dims = ParallelDims(world=pp * math.prod(sizes), spec=spec, tensor_parallel=tensor_parallel,
+                                 context_parallel=context_parallel, sharding=sharding,
                                  sequence_parallel=_given(sequence_parallel, False)).validate()
         self.train_schedule: Schedule = build_schedule(spec)
         # one positive count per stage now; that they add up to the model's layers is checked with the model
@@ -91,9 +96,9 @@ class LayoutPlan:
         Returns the line announcing a default layout, once."""
         if not world:
             return None
-        spec, tp = self.spec, self.dims.tensor_parallel
-        if self.default_layout and world % tp == 0:
-            pp = default_pipeline_parallel(world, tp, spec.loops, num_layers)
+        spec, tp, cp = self.spec, self.dims.tensor_parallel, self.dims.context_parallel
+        if self.default_layout and world % (tp * cp) == 0:
+            pp = default_pipeline_parallel(world, tp, spec.loops, num_layers, cp)
             m = self.requested_micro_batches if self.requested_micro_batches is not None else pp
             spec = dataclasses.replace(spec, pipeline_parallel=pp, micro_batches=m)
         changed = spec != self.spec
@@ -109,7 +114,8 @@ class LayoutPlan:
             return None
         self.announced = True
         return (f"bfpp: default layout on {world} processes: pipeline_parallel={spec.pipeline_parallel}, "
-                f"data_parallel={self.dims.data_parallel}, tensor_parallel={tp}, loops={spec.loops}, "
+                f"data_parallel={self.dims.data_parallel}, tensor_parallel={tp}, "
+                f"{f'context_parallel={cp}, ' if cp > 1 else ''}loops={spec.loops}, "
                 f"micro_batches={spec.micro_batches}, schedule={spec.name} (choose with "
                 "BFPPStrategy(pipeline_parallel=..., loops=..., micro_batches=...)).")
 
@@ -128,6 +134,8 @@ class LayoutPlan:
         stages = plan_stages(module, layers, self.spec.num_stages, None if self.undecided else self.stage_layers)
         if self.dims.tensor_parallel > 1:
             layer_plans(module, layers, self.dims.tensor_parallel, self.dims.sequence_parallel)  # the model's plan
+        if self.dims.context_parallel > 1:
+            check_context_parallel(module, layers, self.dims.context_parallel)  # every layer runs on a shard
         return stages
 
     def decide(self, module: Any, device: Any, world: int, devices_per_node: int, precision: str) -> str:
@@ -168,4 +176,5 @@ class LayoutPlan:
         spec = self.spec
         return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "loops": spec.loops,
                 "data_parallel": self.dims.data_parallel, "tensor_parallel": self.dims.tensor_parallel,
+                "context_parallel": self.dims.context_parallel,
                 "stage_layers": stage_layer_names, "stage_times_s": self.stage_times_s}

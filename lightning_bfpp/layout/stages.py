@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedule.dims import DP, PP, TP, ParallelDims
+from ..schedule.dims import PP, TP, ParallelDims
 from .cut import split_stages
 from .fsdp import shard_stage, stage_mixed_precision
 from .materialize import init_hook, materialize
+from .mesh import gradient_mesh, parameter_mesh
 from .names import named_parts
 from .stage_module import StageModule
 from .tensor_parallel import apply_plans
@@ -46,7 +47,9 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
                 precision: str, activation_checkpointing: bool, compile_layers: bool = False) -> bool:
     """Tensor parallel by the model's `plans` (before FSDP), activation checkpointing, torch.compile per layer
     (`compile_layers`, after tensor parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when
-    sharded. Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
+    sharded (over dp x cp under context parallel: ``layout.mesh.parameter_mesh``). Returns whether FSDP's
+    MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
+    mesh = parameter_mesh(dims, mesh)
     if plans:
         apply_plans(plans, modules.values(), mesh[TP])
     for stage in modules.values():
@@ -58,6 +61,6 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
     last = dims.num_stages - 1
     for s, stage in modules.items():
         policy = stage_mixed_precision(precision, last_stage=s == last)
-        shard_stage(stage, mesh[DP], policy)
+        shard_stage(stage, gradient_mesh(mesh), policy)
         stage.side_input_dtype = policy.param_dtype if policy is not None else None
     return precision == "bf16-mixed"

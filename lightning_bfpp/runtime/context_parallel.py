@@ -21,7 +21,8 @@ class ContextParallel:
     def __init__(self, mesh: DeviceMesh, device: torch.device) -> None:
         # torch 2.13 marks the autograd-aware all_gather deprecated in favour of a private module
         # (torch.distributed._functional_collectives): the public one is what bfpp uses, without the warning per run
-        warnings.filterwarnings("ignore", r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning)
+        warnings.filterwarnings("ignore", r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                                FutureWarning)
         cp_mesh = mesh[CP]
         ring = ring_attention(cp_mesh) if ring_available(device) else None
         self.shard = SequenceShard(cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group(), ring)

@@ -22,7 +22,7 @@ from .versions import check_version
 check_version("torch")
 
 NAME = "torch ring attention (torch.distributed.tensor.experimental context parallel)"
-GATHER = "all-gathered keys and values (torch.distributed.nn.functional.all_gather, SDPA with position masks)"
+GATHER = "keys and values all-gathered (torch.distributed.nn.functional.all_to_all_single), SDPA with position masks"
 
 
 def ring_available(device: torch.device) -> bool:

@@ -58,19 +58,24 @@ class SequenceShard:
         return whole.index_select(dim, chunk_positions(whole.shape[dim], self.size, self.rank, whole.device))
 
     def gather(self, local: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
-        """Every rank's `local` concatenated along `dim`, in rank order; differentiable for floating tensors (the
-        backward sends each rank the sum of its part's gradients: torch.distributed.nn's all_gather)."""
+        """Every rank's `local` concatenated along `dim`, in rank order: an all-gather; differentiable for floating
+        tensors, whose backward sends each rank the sum of its part's gradients over the group (a reduce-scatter).
+
+        Both by torch's autograd-aware ``torch.distributed.nn.functional.all_to_all_single``: each rank sends its
+        shard to every rank (the all-gather's bytes), and the backward returns the gradients the same way, summed.
+        Not ``torch.distributed.nn.functional.all_gather``: on gloo (torch 2.13) its backward scatters from the
+        group's rank numbers as if they were global ranks (it fails on any group but the first ranks) into buffers
+        laid out like the incoming gradients (wrong sums for a non-contiguous one, as a slice of a concatenation)."""
         if local.is_floating_point() and local.requires_grad:
-            from torch.distributed.nn.functional import all_gather
+            from torch.distributed.nn.functional import all_to_all_single
 
-            parts = all_gather(local.contiguous(), group=self.group)
-            for part in parts:  # its backward on gloo scatters into buffers shaped like the gradients, as if they
-                part.register_hook(torch.Tensor.contiguous)  # were contiguous: a slice of cat's gradient is not
-        else:
-            import torch.distributed as dist
+            send = local.unsqueeze(0).expand(self.size, *local.shape).contiguous()  # (size, ...): one copy per rank
+            received = all_to_all_single(torch.empty_like(send), send, group=self.group)  # [r]: rank r's shard
+            return torch.cat(received.unbind(0), dim=dim)
+        import torch.distributed as dist
 
-            parts = [torch.empty_like(local) for _ in range(self.size)]
-            dist.all_gather(parts, local.contiguous(), group=self.group)
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
     def whole(self, local: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:

@@ -19,9 +19,9 @@ class ContextParallel:
     """This rank's share of every sequence of a context-parallel group (the `mesh`'s CP dimension)."""
 
     def __init__(self, mesh: DeviceMesh, device: torch.device) -> None:
-        # torch 2.13 marks the autograd-aware all_gather deprecated in favour of a private module
+        # torch 2.13 marks its autograd-aware collectives deprecated in favour of a private module
         # (torch.distributed._functional_collectives): the public one is what bfpp uses, without the warning per run
-        warnings.filterwarnings("ignore", r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+        warnings.filterwarnings("ignore", r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated",
                                 FutureWarning)
         cp_mesh = mesh[CP]
         ring = ring_attention(cp_mesh) if ring_available(device) else None

@@ -5,8 +5,8 @@ Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2
 Config keys: family (gpt2|llama|qwen2|mistral|gemma3: Mistral's layers attend within a sliding window; Gemma 3 mixes
 sliding-window and full attention layers, each with its own rotary cos/sin, scales its embedding and soft-caps its
 logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv_heads (default 1), tp (tensor
-parallel, the model's own plan), sp (sequence parallel), pp, loops, m, steps, batch (global), precision, ac
-(activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
+parallel, the model's own plan), sp (sequence parallel), cp (context parallel), pp, loops, m, steps, batch (global),
+precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
 (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
 CausalLM.from_pretrained, built on the meta device).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
@@ -120,7 +120,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                                   kv_heads=cfg.get("kv_heads", 1)), optimizer=sgd)
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2),
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
-                            sequence_parallel=cfg.get("sp"),
+                            sequence_parallel=cfg.get("sp"), context_parallel=cfg.get("cp", 1),
                             activation_checkpointing=cfg.get("ac", False),
                             timeout=timedelta(seconds=120))
     record = Losses()
@@ -128,7 +128,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                       precision=cfg.get("precision", "32-true"), accumulate_grad_batches=cfg.get("accumulate", 1),
                       logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
-    per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1)))
+    per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1) * cfg.get("cp", 1)))
     trainer.fit(model, DataLoader(dataset(cfg.get("ignored", False)), batch_size=per_replica, drop_last=True))
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])

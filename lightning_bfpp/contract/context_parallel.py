@@ -42,12 +42,14 @@ def chunk_positions(length: int, size: int, rank: int, device: torch.device | st
 class SequenceShard:
     """This rank's share of every sequence: `size` ranks of `group` (a torch ProcessGroup) share each, this is rank
     `rank` of them. `ring`: torch's ring attention for plain causal attention, where it runs (CUDA; None elsewhere),
-    a function (query, key, value, scale, dropout_p) -> output of this rank's queries."""
+    a function (query, key, value, scale, dropout_p) -> output of this rank's queries. `stats`: what its attention
+    layers gathered (``kv_gather_bytes``: the most keys and values one layer's all-gathers assembled)."""
 
     size: int
     rank: int
     group: Any
     ring: Callable[..., torch.Tensor] | None = field(default=None, compare=False)
+    stats: dict[str, float] = field(default_factory=dict, compare=False)
 
     def positions(self, local_length: int, device: torch.device | str | None = None) -> torch.Tensor:
         """(local_length,) positions in the whole sequence of this rank's tokens."""
@@ -219,6 +221,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         return shard.ring(query, key, value, scale=scale, dropout_p=dropout_p)
     if is_causal:
         attn_mask = causal_mask(query.shape[-2], query.device, window)
+    local = key.shape[-2]
     key, value = gather_keys(key, -2, window), gather_keys(value, -2, window)
+    gathered = key.shape[-2] if _window_tail(local, window) is None else key.shape[-2] - local  # the all-gathers' part
+    per_token = (key.nbytes + value.nbytes) // key.shape[-2]
+    shard.stats["kv_gather_bytes"] = max(shard.stats.get("kv_gather_bytes", 0), gathered * per_token)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
                                           enable_gqa=enable_gqa)

@@ -7,7 +7,8 @@ targets of -100), accumulate (accumulate_grad_batches), save_every + save_dir (M
 resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
-"message_bytes": the largest activation message it sent}.
+"message_bytes": the largest activation message it sent, "kv_gather_bytes": the keys and values one attention layer
+all-gathered (context parallel; the largest over ranks)}.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"params": params, "local_shapes": local, "tp_split": sorted(n for n, p in named if tp_sharded(p)),
                 "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank),
-                "message_bytes": strategy.runner.message_bytes},
+                "message_bytes": strategy.runner.message_bytes,
+                "kv_gather_bytes": strategy.step_stats.get("kv_gather_bytes")},
                out / f"rank{trainer.global_rank}.pt")
 
 

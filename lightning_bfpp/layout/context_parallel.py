@@ -27,13 +27,15 @@ def check_context_parallel(root: nn.Module, layers: Sequence[nn.Module], context
         raise LayoutError(f"context_parallel={context_parallel} splits every sequence over {context_parallel} ranks, "
                           f"and {model} does not say which of its layers run on a shard of the sequence: {fix}.")
     for layer, name in zip(layers, layer_names(root, layers)):
+        kind = type(layer).__name__
+        described = name if kind in name else f"{name} ({kind})"
         try:
             ok = hook(name, layer, context_parallel)
         except (TypeError, ValueError) as error:
-            raise LayoutError(f"context_parallel={context_parallel}: {model}'s layer {name} "
-                              f"({type(layer).__name__}) cannot run on a shard of the sequence: {error}") from error
+            raise LayoutError(f"context_parallel={context_parallel}: {model}'s layer {described} cannot run on a "
+                              f"shard of the sequence: {error}") from error
         if ok is not True:
             raise LayoutError(
                 f"context_parallel={context_parallel} splits every sequence over {context_parallel} ranks, and "
-                f"{model}.{HOOK}({name!r}, ...) returned {ok!r}: layer {name} ({type(layer).__name__}) would attend "
-                f"within its shard only; {fix}.")
+                f"{model}.{HOOK}({name!r}, ...) returned {ok!r}: layer {described} would attend within its shard "
+                f"only; {fix}.")

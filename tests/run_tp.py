@@ -1,10 +1,10 @@
 """Train a tiny example GPT with strategy=bfpp and tensor parallel, several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
-Config keys: pp, tp, sp (sequence parallel), cp (context parallel), loops, m, schedule, sharding, steps (max_steps),
-batch (global), opt (sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt and padding
-targets of -100), accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint "step=N.ckpt"),
-resume (ckpt_path).
+Config keys: pp, tp, sp (sequence parallel), cp (context parallel), compile, loops, m, schedule, sharding, steps
+(max_steps), batch (global), opt (sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt
+and padding targets of -100), accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint
+"step=N.ckpt"), resume (ckpt_path).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
 "message_bytes": the largest activation message it sent, "kv_gather_bytes": the keys and values one attention layer
@@ -85,6 +85,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
         activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120),
+        compile=cfg.get("compile", False),
     )
     losses = Losses()
     callbacks: list[Callback] = [losses]

@@ -59,6 +59,7 @@ WIDE = {
     "gpt-pp2-cp2-1f1b": {"model": "gpt", "pp": 2, "cp": 2, "m": 4, "schedule": "1f1b"},
     "gpt-pp1-cp4": {"model": "gpt", "pp": 1, "cp": 4, "m": 2},  # 8 chunks of one token
     "packed-pp1-dp2-cp2": {"model": "packed", "pp": 1, "cp": 2, "m": 2},
+    "gpt-pp1-dp2-cp2-compile": {"model": "gpt", "pp": 1, "cp": 2, "m": 2, "compile": True},  # gathers run eagerly
 }
 WORLD8 = {
     "gpt-pp2-cp2-tp2-sp": {"model": "gpt", "pp": 2, "cp": 2, "tp": 2, "sp": True, "m": 2},

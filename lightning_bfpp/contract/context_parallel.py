@@ -59,6 +59,7 @@ class SequenceShard:
         """This rank's shard of a tensor holding whole sequences along `dim`."""
         return whole.index_select(dim, chunk_positions(whole.shape[dim], self.size, self.rank, whole.device))
 
+    @torch.compiler.disable  # torch's autograd collectives refuse to be traced: a compiled layer runs this eagerly
     def gather(self, local: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
         """Every rank's `local` concatenated along `dim`, in rank order: an all-gather; differentiable for floating
         tensors, whose backward sends each rank the sum of its part's gradients over the group (a reduce-scatter).

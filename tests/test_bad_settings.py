@@ -60,6 +60,8 @@ ROWS = [
     ("sequence_parallel_without_tensor_parallel", ["schedule.sequence_parallel=true"], "schedule.tensor_parallel=1"),
     ("sequence_not_dividing_by_tp", ["schedule.pipeline_parallel=1", "schedule.loops=1", "schedule.tensor_parallel=2",
                                      "schedule.sequence_parallel=true", "model.block_size=63"], "data.block_size=63"),
+    ("context_parallel_not_dividing_world", ["schedule.context_parallel=3"], "schedule.context_parallel"),
+    ("sequence_not_dividing_by_2cp", ["schedule.context_parallel=2", "model.block_size=62"], "data.block_size=62"),
 ]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_bfpp.data.settings import PACKINGS
 from lightning_bfpp.schedule.checks import is_count
 from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 
@@ -31,6 +32,11 @@ SET_ELSEWHERE = {
 PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed", "64": "64-true"}
 BFPP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 AUTO_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true", "16-mixed")
+
+
+def text_data(cfg: DictConfig) -> bool:
+    """data=text (conf/data/text.yaml): tokenized records, not the byte corpus."""
+    return OmegaConf.select(cfg, "data.name") == "text"
 
 
 class ConfigError(ValueError):
@@ -53,7 +59,9 @@ def check_config(cfg: DictConfig) -> None:
     check_precision(cfg)
     check_model_and_data(cfg)
     check_optim(cfg)
-    check_corpus(cfg, check_layout(cfg))
+    dp = check_layout(cfg)
+    if not text_data(cfg):  # data=text is checked against its token cache (examples/data.py prepare_text)
+        check_corpus(cfg, dp)
 
 
 def check_trainer_keys(cfg: DictConfig) -> None:
@@ -165,10 +173,14 @@ def check_model_and_data(cfg: DictConfig) -> None:
         except ImportError as err:
             raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
                               "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
-    if family != "gpt" and is_count(get("model.vocab_size")) and get("model.vocab_size") < BYTES:
+    text = text_data(cfg)
+    if text and get("data.packing") not in PACKINGS:
+        raise ConfigError(f"data.packing={get('data.packing')!r} is not one of {', '.join(PACKINGS)}.")
+    if not text and family != "gpt" and is_count(get("model.vocab_size")) and get("model.vocab_size") < BYTES:
         raise ConfigError(f"model.vocab_size={get('model.vocab_size')} is below the {BYTES} byte values of the local "
                           "corpus: use a model with at least 256 tokens (token id = byte value).")
-    for key in POSITIVE + (("data.stride",) if get("data.stride") is not None else ()):
+    positive = [k for k in POSITIVE if not (text and k == "data.max_bytes")]
+    for key in positive + (["data.stride"] if get("data.stride") is not None else []):
         if not is_count(get(key)):
             raise ConfigError(f"{key}={get(key)!r} must be a positive integer; set {key}=1 or more.")
     fraction = get("data.val_fraction")

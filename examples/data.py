@@ -125,3 +125,83 @@ class CorpusDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+# ---- data=text (conf/data/text.yaml): lightning_bfpp.data, prepared before any process starts ----
+TEXT_SETTINGS = ("files", "dataset", "dataset_config", "split", "format", "text_field", "sample_by", "append_eos",
+                 "num_proc")
+
+
+def text_settings(cfg):
+    """lightning_bfpp.data.TextSettings of `data.*`; the tokenizer is data.tokenizer, else model.path's own."""
+    from config_checks import ConfigError
+    from omegaconf import OmegaConf
+
+    from lightning_bfpp.data import DataError, TextSettings
+
+    d = OmegaConf.to_container(cfg.data, resolve=True)
+    tokenizer = d.get("tokenizer") or (cfg.model.path if cfg.model.get("family") == "hf_pretrained" else None)
+    if not tokenizer:
+        raise ConfigError(f"data=text needs a tokenizer: data.tokenizer=/abs/path/to/tokenizer (a save_pretrained "
+                          f"directory), or model=hf_pretrained model.path=DIR, whose own tokenizer is used "
+                          f"(model={cfg.model.name} has none).")
+    try:
+        return TextSettings(tokenizer=str(tokenizer), cache_dir=d.get("cache_dir") or default_cache_dir(),
+                            **{k: d[k] for k in TEXT_SETTINGS if k in d})
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+
+
+def default_cache_dir():
+    from lightning_bfpp.data.settings import default_cache_dir
+
+    return default_cache_dir()
+
+
+def prepare_text(cfg, checksums: bool = True) -> None:
+    """Before any process starts: the token cache of data=text, prepared or reused (sha256-checked with `checksums`),
+    and what would fail later checked now: a tokenizer larger than the model's vocabulary, a document too long for
+    data.packing=pad, fewer windows than one batch (training; validation when it runs). ConfigError naming the fix."""
+    from config_checks import ConfigError
+
+    from lightning_bfpp.data import DataError, prepare_tokens
+    from lightning_bfpp.data.encode import load_tokenizer
+    from lightning_bfpp.data.packing import document_split, packed
+
+    settings = text_settings(cfg)
+    d, vocab = cfg.data, cfg.model.vocab_size
+    setting = "data.tokenizer" if cfg.data.get("tokenizer") else "model.path"
+    try:
+        tokenizer = load_tokenizer(settings.tokenizer, setting)
+        if len(tokenizer) > vocab:
+            raise ConfigError(
+                f"the tokenizer of {setting}={settings.tokenizer} has {len(tokenizer)} tokens, more than the model's "
+                f"model.vocab_size={vocab}: its ids would index past the embedding. Use the model's own tokenizer, or "
+                f"a model with model.vocab_size >= {len(tokenizer)}.")
+        cache = prepare_tokens(settings, checksums=checksums, tokenizer=tokenizer)
+        splits = [packed(cache, docs, d.block_size, d.packing) for docs in document_split(cache, d.val_fraction)]
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+    validates = cfg.trainer.get("limit_val_batches") not in (0, 0.0)
+    for rows, split in zip(splits, ("training", "validation")):
+        if len(rows) < d.batch_size and (split == "training" or validates):
+            raise ConfigError(
+                f"data=text: the {split} split holds {len(rows)} rows of data.block_size={d.block_size} tokens "
+                f"(data.packing={d.packing}, {cache.num_tokens} tokens in {cache.num_documents} documents, "
+                f"data.val_fraction={d.val_fraction}), fewer than one batch of data.batch_size={d.batch_size}; give "
+                "more data, a smaller data.batch_size" + (", or trainer.limit_val_batches=0" if split == "validation"
+                                                           else "") + ".")
+
+
+def build_datamodule(cfg) -> L.LightningDataModule:
+    """The data module of `data.name`: local_corpus (CorpusDataModule) or text (lightning_bfpp.data.TextDataModule)."""
+    from omegaconf import OmegaConf
+
+    d = OmegaConf.to_container(cfg.data, resolve=True)
+    if d["name"] != "text":
+        return CorpusDataModule(**{k: v for k, v in d.items() if k != "name"})
+    from lightning_bfpp.data import TextDataModule
+
+    return TextDataModule(text_settings(cfg), block_size=d["block_size"], batch_size=d["batch_size"],
+                          packing=d["packing"], val_fraction=d["val_fraction"], seed=d["seed"],
+                          num_workers=d["num_workers"])

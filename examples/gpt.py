@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_bfpp.contract.context_parallel import attention, token_positions
+from lightning_bfpp.contract.documents import document_causal_mask, document_positions, split_documents
 from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
 from lightning_bfpp.sim.model import training_flops_per_token
 
@@ -56,8 +57,10 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = token_positions(idx.shape[1], idx.device)  # 0..T-1; under context parallel this rank's tokens' positions
+    def forward(self, idx: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (B, T): positions restarting at each packed document (GPT.pipeline_side_inputs); else
+        0..T-1, or under context parallel this rank's tokens' positions in the whole sequence."""
+        pos = token_positions(idx.shape[1], idx.device) if position_ids is None else position_ids
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -79,22 +82,24 @@ class Block(nn.Module):
         )
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.ln_1(x)
         B, T, _ = h.shape  # the whole sequence (under sequence parallel x is this rank's shard; h is gathered)
         # (B, nh, T, hs); under tensor parallel nh is this rank's heads (q/k/v hold n_head / tp heads' columns)
         q, k, v = (f(h).view(B, T, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
-        # F.scaled_dot_product_attention; under context parallel (T: this rank's share of the sequence) over the keys
-        # and values of the whole sequence, gathered from the context-parallel ranks
-        y = attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        # causal; with packed documents, attn_mask (B, 1, T, T) keeps each token within its document. Under context
+        # parallel (T: this rank's share of the sequence) over the keys and values of the whole sequence, gathered from
+        # the context-parallel ranks (F.scaled_dot_product_attention otherwise)
+        y = attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                      dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # re-assemble heads: (B, T, nh * hs)
         x = x + self.resid_drop(self.proj(y))
         return x + self.mlp(self.ln_2(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, attn_mask, use_reentrant=False)
+        return self._forward(x, attn_mask)
 
 
 class Head(nn.Module):
@@ -130,7 +135,8 @@ class GPT(PipelineHooks, L.LightningModule):
         # eval metrics (torchmetrics, synced over data parallel at epoch end): next-byte accuracy, bits per byte
         # (on the CPU even inside trainer.init_module(empty_init=True): metric states are values, not weights)
         with torch.device("cpu"):
-            metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro"),
+            metrics = MetricCollection({"acc": MulticlassAccuracy(cfg.vocab_size, average="micro",
+                                                                  ignore_index=IGNORED),
                                         "bpb": MeanMetric()})
         self.val_metrics, self.test_metrics = metrics.clone(prefix="val_"), metrics.clone(prefix="test_")
         if cfg.tie_weights:
@@ -164,6 +170,14 @@ class GPT(PipelineHooks, L.LightningModule):
     # ---- PipelineHooks: the contract bfpp cuts along ----
     def pipeline_layers(self) -> list[nn.Module]:
         return [self.embedding, *self.blocks, self.head]
+
+    def pipeline_side_inputs(self, inputs) -> dict:
+        """For a window packing documents, inputs (tokens, document ids) (contract.documents): positions restarting
+        at each document and a mask keeping attention within it, computed on every stage; nothing for plain tokens."""
+        _, documents = split_documents(inputs)
+        if documents is None:
+            return {}
+        return {"position_ids": document_positions(documents), "attn_mask": document_causal_mask(documents)}
 
     def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int,
                          sequence_parallel: bool = False) -> dict | None:
@@ -220,8 +234,9 @@ class GPT(PipelineHooks, L.LightningModule):
         return loss, (target != IGNORED).sum()
 
     # ---- plain Lightning (no bfpp): the same loss under the same names ----
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.pipeline_forward(idx)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of tokens, or of (tokens, document ids): ``self(x)`` or ``self(*x)``."""
+        return self.pipeline_forward(inputs[0] if len(inputs) == 1 else inputs)
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = self.pipeline_inputs(batch)

@@ -28,7 +28,7 @@ if __package__:  # `python -m examples.train` (Lightning's launcher relaunches i
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir as rundir
 from config_checks import ConfigError, check_config
-from data import CorpusDataModule
+from data import build_datamodule, prepare_text
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
 
 from lightning_bfpp import BFPPStrategy
@@ -287,6 +287,8 @@ def main(cfg: DictConfig) -> dict | None:
         resolve_ckpt_path(cfg, run_dir)
         check_resume_strategy(cfg)
         check_resume_model(cfg)
+        if cfg.data.name == "text":  # the token cache, prepared (or reused) before any process starts
+            prepare_text(cfg, checksums=rundir.global_rank() == "0")
     except ConfigError as err:  # a setting to fix, not a crash: the message alone, exit 2
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -383,8 +385,7 @@ def checkpoint_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     L.seed_everything(cfg.data.seed, workers=True)
     model = build_model(cfg)
-    data_keys = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "name"}
-    datamodule = CorpusDataModule(**data_keys)
+    datamodule = build_datamodule(cfg)  # data.name: local_corpus (bytes) or text (a token cache)
 
     s, bfpp = cfg.schedule, cfg.trainer.strategy == "bfpp"
     auto = bfpp and s.get("layout") == "auto"  # the planner picks the layout at start (printed; in summary.json)

@@ -8,7 +8,9 @@ logits), tie (tied embeddings; default: the family's own), attn (sdpa|eager), kv
 parallel, the model's own plan), sp (sequence parallel), cp (context parallel), pp, loops, m, steps, batch (global),
 precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
 (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
-CausalLM.from_pretrained, built on the meta device).
+CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
+batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each
+data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
 [names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent}.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 import exact_model
 import torch
 from lightning.pytorch import Callback, Trainer
+from packed_rows import PackedRows
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_bfpp import BFPPStrategy
@@ -129,14 +132,22 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                       logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
     per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1) * cfg.get("cp", 1)))
-    trainer.fit(model, DataLoader(dataset(cfg.get("ignored", False)), batch_size=per_replica, drop_last=True))
+    data = PackedRows(SAMPLES, SEQ, VOCAB) if cfg.get("packed") else dataset(cfg.get("ignored", False))
+    trainer.fit(model, DataLoader(data, batch_size=per_replica, drop_last=True))
+    predicted = None
+    if cfg.get("packed"):  # the trained model's logits of packed rows (no labels), on the last stage's ranks
+        rows = torch.utils.data.Subset(PackedRows(SAMPLES, SEQ, VOCAB, labels=False), range(cfg.get("batch", 8)))
+        logits = trainer.predict(model, DataLoader(rows, batch_size=cfg.get("batch", 8)))
+        predicted = torch.cat(logits) if logits and all(isinstance(o, torch.Tensor) for o in logits) else None
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in model.named_parameters()}
     out.mkdir(parents=True, exist_ok=True)
     split = sorted(n for n, p in model.named_parameters() if tp_sharded(p))  # split over the tensor-parallel ranks
+    replica = strategy.distributed_sampler_kwargs  # predict: Lightning's sampler gives replica r rows r, r + dp, ...
     torch.save({"params": params, "losses": record.losses, "aux_losses": record.aux_losses, "tp_split": split,
+                "predicted": predicted, "replica": (replica["rank"], replica["num_replicas"]),
                 "message_bytes": strategy.runner.message_bytes}, out / f"rank{trainer.global_rank}.pt")
 
 

@@ -4,7 +4,8 @@ Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]
 Config keys: pp, tp, sp (sequence parallel), cp (context parallel), compile, loops, m, schedule, sharding, steps
 (max_steps), batch (global), opt (sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt
 and padding targets of -100), accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint
-"step=N.ckpt"), resume (ckpt_path).
+"step=N.ckpt"), resume (ckpt_path), packed (rows packing 2-4 documents, tests/packed_rows.py; after fit the logits of
+the first `batch` rows are predicted: "predicted", replica r of dp predicting rows r, r + dp, ...: "replica" (r, dp)).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
 "message_bytes": the largest activation message it sent, "kv_gather_bytes": the keys and values one attention layer
@@ -20,6 +21,7 @@ import torch
 from gpt import GPT, GPTConfig, OptimConfig
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from packed_rows import PackedRows
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_bfpp import BFPPStrategy
@@ -100,17 +102,24 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         limit_val_batches=0, callbacks=callbacks,
     )
     dp = devices // (pp * tp * cp)
-    loader = DataLoader(dataset(cfg.get("ignored", False)), batch_size=cfg.get("batch", 8) // dp, shuffle=False,
-                        drop_last=True)
+    data = PackedRows(SAMPLES, BLOCK, VOCAB) if cfg.get("packed") else dataset(cfg.get("ignored", False))
+    loader = DataLoader(data, batch_size=cfg.get("batch", 8) // dp, shuffle=False, drop_last=True)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
+    predicted = None
+    if cfg.get("packed"):  # the trained model's logits of packed rows (no labels), on the last stage's ranks
+        rows = torch.utils.data.Subset(PackedRows(SAMPLES, BLOCK, VOCAB, labels=False), range(cfg.get("batch", 8)))
+        logits = trainer.predict(model, DataLoader(rows, batch_size=cfg.get("batch", 8)))
+        predicted = torch.cat(logits) if logits and all(isinstance(o, torch.Tensor) for o in logits) else None
     named = list(model.named_parameters())
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in named}
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in named}
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"params": params, "local_shapes": local, "tp_split": sorted(n for n, p in named if tp_sharded(p)),
                 "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank),
-                "message_bytes": strategy.runner.message_bytes,
-                "kv_gather_bytes": strategy.step_stats.get("kv_gather_bytes")},
+                "message_bytes": strategy.runner.message_bytes, "predicted": predicted,
+                "kv_gather_bytes": strategy.step_stats.get("kv_gather_bytes"),
+                "replica": (strategy.distributed_sampler_kwargs["rank"],
+                            strategy.distributed_sampler_kwargs["num_replicas"])},
                out / f"rank{trainer.global_rank}.pt")
 
 

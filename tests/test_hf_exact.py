@@ -13,7 +13,8 @@ import torch.nn.functional as F
 pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
 from launch import ROOT, Launches
-from run_hf_exact import LR, SEQ, WIDTH, hf_model, lightning_batches
+from packed_rows import PackedRows, alone_loss_sum, document_losses, global_batches, segments
+from run_hf_exact import LR, SAMPLES, SEQ, VOCAB, WIDTH, hf_model, lightning_batches
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli
 
@@ -30,15 +31,18 @@ PRETRAINED = [{"family": "llama", "pretrained": True}, {"family": "qwen2", "pret
 COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ignored": True, "accumulate": 2}]
 # mixtures of experts with their router loss (output_router_logits=True): the whole step's routing statistics
 ROUTED = [{"family": "mixtral", "m": 4}, {"family": "qwen3_moe"}]
-RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0], {"family": "mixtral"}],  # dp 1
-        4: [*CONFIGS, *PRETRAINED, *COUNTED, *ROUTED]}
+# windows packing 2-4 documents (token batches with document ids): each document trains and predicts as if alone
+PACKED = [{"family": "llama", "packed": True}, {"family": "gpt2", "packed": True}]
+RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0], PACKED[1], {"family": "mixtral"}],  # dp 1
+        4: [*CONFIGS, *PRETRAINED, *COUNTED, PACKED[0], *ROUTED]}  # dp 2
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
 # heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
 # sequence parallel ("sp") too. Two launches: the first in `make test`, the second (slow) in CI.
 TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp=2 on 8 processes
     "sp": (4, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True},
                {"family": "qwen2", "tp": 2, "kv_heads": 2, "sp": True},
-               {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "ignored": True}]),
+               {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "ignored": True},
+               {"family": "llama", "tp": 2, "kv_heads": 2, "sp": True, "packed": True}]),
     "slow": (4, [{"family": "llama", "tp": 2, "kv_heads": 2}, {"family": "qwen2", "tp": 2, "kv_heads": 2},
                  {"family": "mistral", "tp": 2, "kv_heads": 2},
                  {"family": "mistral", "tp": 2, "kv_heads": 2, "sp": True},
@@ -46,7 +50,7 @@ TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp
     "dp2": (8, [{"family": "llama", "tp": 2, "kv_heads": 2, "sp": True}, {"family": "qwen2", "tp": 2, "kv_heads": 2}]),
 }
 TP_RUNS = [(launch, i, c) for launch, (_, configs) in TP_LAUNCHES.items() for i, c in enumerate(configs)
-           if "precision" not in c]
+           if "precision" not in c and not c.get("packed")]
 # sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow
 # (docs/precision.md: tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
@@ -122,9 +126,12 @@ def tp_runs(tmp_path_factory) -> Launches:
     return Launches(tmp_path_factory, _tensor_parallel_plan, script=WORKER, timeout=400)
 
 
+UNPACKED = [(d, i, c) for d in (2, 4) for i, c in enumerate(RUNS[d]) if not c.get("packed")]
+
+
 @pytest.mark.parametrize("devices, index", [(d, i) if d == 4 else pytest.param(d, i, marks=pytest.mark.slow)
-                                            for d in (2, 4) for i in range(len(RUNS[d]))],
-                         ids=[f"dp{d // 2}-" + "-".join(f"{v}" for v in c.values()) for d in (2, 4) for c in RUNS[d]])
+                                            for d, i, _ in UNPACKED],
+                         ids=[f"dp{d // 2}-" + "-".join(f"{v}" for v in c.values()) for d, _, c in UNPACKED])
 def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     cfg = RUNS[devices][index]
     launch = runs(devices)
@@ -217,3 +224,57 @@ def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp
     trained, _, _ = reference("llama", 1, kv_heads=2)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+
+
+def packed_reference(family: str, data_parallel: int, kv_heads: int = 1):
+    """The unmodified HF model, SGD on Lightning's order of the packed rows, each document run alone (its own forward
+    from position 0): each step trains the mean over the global batch's counted targets."""
+    model = hf_model(family, kv_heads=kv_heads)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data, losses = global_batches(PackedRows(SAMPLES, SEQ, VOCAB), BATCH, data_parallel), []
+    for _ in range(STEPS):
+        x, y, documents = next(data)
+        items = int((y != -100).sum())
+        opt.zero_grad()
+        total = alone_loss_sum(lambda t: model(t).logits, x, y, documents)
+        (total / items).backward()
+        losses.append(total.item() / items)
+        opt.step()
+    return model, losses
+
+
+PACKED_RUNS = [("dp", d, i, c) for d in (2, 4) for i, c in enumerate(RUNS[d]) if c.get("packed")] + \
+    [("tp", TP_LAUNCHES["sp"][0], i, c) for i, c in enumerate(TP_LAUNCHES["sp"][1]) if c.get("packed")]
+
+
+@pytest.mark.parametrize("kind, devices, index", [
+    pytest.param(k, d, i, marks=pytest.mark.slow) if (k, d) == ("dp", 2) else (k, d, i) for k, d, i, _ in PACKED_RUNS],
+    ids=[f"{c['family']}-" + ("tp2-sp" if k == "tp" else f"dp{d // 2}") for k, d, _, c in PACKED_RUNS])
+def test_packed_documents_train_and_predict_as_each_document_alone(runs, tp_runs, kind, devices, index):
+    """Windows packing several documents (document ids: positions restart, attention stays within each document) at
+    pp=2 x loops=2 (dp 2; GPT-2 at dp 1, slow) and at pp=2 x tp=2 with sequence parallel: 3 SGD steps equal one process
+    that runs every document alone, and afterwards each document's loss in a predicted packed window equals its loss
+    alone (<= 1e-5)."""
+    cfg = (RUNS[devices] if kind == "dp" else TP_LAUNCHES["sp"][1])[index]
+    records = (runs(devices) if kind == "dp" else tp_runs("sp"))[index]
+    dp = devices // (2 * cfg.get("tp", 1))
+    model, losses = packed_reference(cfg["family"], dp, kv_heads=cfg.get("kv_heads", 1))
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    got = {n: t for rank in records for n, t in rank["params"].items()}
+    assert set(got) == set(model.state_dict())
+    worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
+    assert worst <= TOL, f"max |bfpp packed - each document alone| = {worst:.3g}"
+    assert records[-1]["losses"] == pytest.approx(losses, abs=1e-5)
+    x, y, documents = PackedRows(SAMPLES, SEQ, VOCAB).tensors
+    predicted = {r["replica"]: r["predicted"] for r in records if r["predicted"] is not None}  # a rank per replica
+    assert len(predicted) == dp
+    worst, count = 0.0, 0
+    for (replica, replicas), logits in predicted.items():
+        rows = list(range(replica, BATCH, replicas))
+        packed = document_losses(logits, y[rows], documents[rows])
+        with torch.no_grad():
+            alone = [F.cross_entropy(model(x[row:row + 1, a:b]).logits[0], y[row, a:b], ignore_index=-100).item()
+                     for row in rows for a, b in segments(documents[row]) if (y[row, a:b] != -100).any()]
+        assert len(packed) == len(alone) > len(rows)  # several documents per window
+        worst, count = max(worst, *(abs(p - a) for p, a in zip(packed, alone))), count + len(packed)
+    assert worst <= 1e-5, f"max |a document's loss packed - alone| = {worst:.3g} over {count} documents"

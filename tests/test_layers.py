@@ -2,7 +2,8 @@
 
 The parts, each a folder of ``lightning_bfpp/`` whose ``__init__`` says what it may import; each may import only
 the parts listed before it: schedule (pure Python) <- sim (pure Python) <- contract <- _private <- layout <- runtime
-<- adapter; checkpoint and job over _private; hf over contract; the strategy and the package face over everything.
+<- adapter; checkpoint and job over _private; hf over contract; data over contract and job; the strategy and the
+package face over everything.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ PARTS = {
     "checkpoint": ("_private",),
     "job": ("_private", "checkpoint"),
     "hf": ("contract", "layout"),
+    "data": ("contract", "job"),
 }
 # pure parts: besides the standard library and the parts above, only these third-party packages
 PURE = {"schedule": (), "sim": ("matplotlib", "yaml")}

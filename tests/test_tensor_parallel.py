@@ -52,6 +52,9 @@ WORLD4 = {
     "pp2-tp2-sp-counted": {"pp": 2, "tp": 2, "m": 2, "sp": True, "ignored": True},
     "pp2-loops2-m4-dp2-counted": {"pp": 2, "loops": 2, "m": 4, "ignored": True},
     "pp2-loops2-dp2-counted-accumulate2": {"pp": 2, "loops": 2, "m": 2, "ignored": True, "accumulate": 2},
+    # windows packing several documents (document ids): each trains and predicts as if alone
+    "pp2-loops2-dp2-packed": {"pp": 2, "loops": 2, "m": 2, "packed": True},
+    "pp2-tp2-sp-packed": {"pp": 2, "tp": 2, "m": 2, "sp": True, "packed": True},
 }
 WORLD8 = {
     "pp2-loops2-dp2-tp2-bf": {"pp": 2, "tp": 2, "loops": 2, "m": 2},
@@ -129,7 +132,7 @@ def split_weights(tied: bool) -> set[str]:
     return blocks if tied else blocks | {"embedding.tok.weight", "head.lm_head.weight"}
 
 
-TRAINED = [(4, n) for n, c in WORLD4.items() if c.get("opt") != "adamw" and "precision" not in c]
+TRAINED = [(4, n) for n, c in WORLD4.items() if c.get("opt") != "adamw" and "precision" not in c and "packed" not in c]
 TRAINED += [(8, n) for n in WORLD8]
 
 
@@ -335,3 +338,46 @@ def test_a_block_issues_the_collectives_the_simulator_counts(sequence_parallel):
     x = torch.randn(2, 4 if sequence_parallel else 8, 32)  # this rank's input: half the sequence with sequence parallel
     forward, backward = collectives(model.blocks[0], plan, x)
     assert forward == backward == BLOCK_COLLECTIVES[sequence_parallel]
+
+
+@pytest.mark.parametrize("name", [n for n, c in WORLD4.items() if c.get("packed")])
+def test_packed_documents_train_and_predict_as_each_document_alone(runs, name):
+    """The example GPT on windows packing several documents (positions restart, attention stays within each document)
+    at pp=2 x loops=2 x dp=2 and at pp=2 x tp=2 with sequence parallel: 3 SGD steps equal one process running every
+    document alone, and each document's loss in a predicted packed window equals its loss alone (<= 1e-5)."""
+    import torch.nn.functional as F
+    from packed_rows import PackedRows, alone_loss_sum, document_losses, global_batches, segments
+
+    cfg, ranks = WORLD4[name], runs(4)[name]
+    dp = _dp(4, cfg)
+    torch.manual_seed(0)
+    model = GPT(run_tp.model_config(), run_tp.optim_config())
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD([{"params": [p for p in params if p.dim() >= 2]},
+                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                lr=model.optim.lr, momentum=model.optim.momentum, weight_decay=model.optim.weight_decay)
+    rows = PackedRows(run_tp.SAMPLES, run_tp.BLOCK, run_tp.VOCAB)
+    data, losses = global_batches(rows, BATCH, dp), []
+    for _ in range(STEPS):
+        x, y, documents = next(data)
+        items = int((y != -100).sum())
+        optimizer.zero_grad()
+        total = alone_loss_sum(model, x, y, documents)
+        (total / items).backward()
+        losses.append(total.item() / items)
+        optimizer.step()
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    _compare(ranks, (ref, losses), EXACT)
+    x, y, documents = rows.tensors
+    predicted = {r["replica"]: r["predicted"] for r in ranks if r["predicted"] is not None}
+    assert len(predicted) == dp
+    worst = 0.0
+    for (replica, replicas), logits in predicted.items():
+        mine = list(range(replica, BATCH, replicas))
+        packed = document_losses(logits, y[mine], documents[mine])
+        with torch.no_grad():
+            alone = [F.cross_entropy(model(x[r:r + 1, a:b])[0], y[r, a:b], ignore_index=-100).item()
+                     for r in mine for a, b in segments(documents[r]) if (y[r, a:b] != -100).any()]
+        assert len(packed) == len(alone) > len(mine)  # several documents per window
+        worst = max(worst, *(abs(p - a) for p, a in zip(packed, alone)))
+    assert worst <= 1e-5, f"max |a document's loss packed - alone| = {worst:.3g}"

@@ -100,8 +100,9 @@ class PipelineMetrics(Callback):
         strategy = trainer.strategy
         dp = getattr(strategy, "data_parallel", None) or trainer.world_size
         inputs, _ = pl_module.pipeline_inputs(batch) if hasattr(pl_module, "pipeline_inputs") else batch
-        tokens = inputs.numel() * dp  # every data-parallel replica processes a different slice of the batch
-        row = {"step_s": step_s, **self._rates(trainer, step_s, tokens, inputs.shape[0] * dp)}
+        first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs  # the tokens (e.g. beside document ids)
+        tokens = first.numel() * dp  # every data-parallel replica processes a different slice of the batch
+        row = {"step_s": step_s, **self._rates(trainer, step_s, tokens, first.shape[0] * dp)}
         # only a measured step's numbers (bfpp measures on logging steps by default: measure_every_n_steps)
         stats = getattr(strategy, "step_stats", None) if getattr(strategy, "measured_step", True) else None
         if stats:

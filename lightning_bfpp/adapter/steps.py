@@ -88,6 +88,8 @@ def pipeline_answers_forward(module: nn.Module, inputs: Any, output: Any, step: 
     expected = inputs if isinstance(inputs, tuple) else (inputs,)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and isinstance(args[0], tuple) and isinstance(inputs, tuple):  # self(x), x a tuple
+            args = args[0]
         if kwargs or not _same_inputs(args, expected):
             raise ValueError(
                 f"{type(module).__name__}.{step} called self(...) with inputs other than pipeline_inputs(batch)[0]: "

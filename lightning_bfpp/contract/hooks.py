@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .documents import is_token_batch, token_batch_inputs
 from .layer_io import LayerCall, compute_side_inputs, describe_structure, no_side_inputs, side_inputs_of
 
 LossValue = torch.Tensor | tuple[torch.Tensor, torch.Tensor | int]
@@ -49,9 +50,12 @@ class PipelineHooks:
         micro-batch counts the same number of items. ``mean_loss`` turns either form into the one-process mean.
 
     Optional:
-        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``, ``(x,)`` or the
-        tensor ``x`` (target None: prediction). ``inputs``
-        (a tensor or a flat tuple of tensors) are the first layer's arguments.
+        ``pipeline_inputs(batch)``: ``(inputs, target)`` from a batch; default: ``batch`` is ``(x, y)``, ``(x,)``, the
+        tensor ``x`` (target None: prediction), or a token batch {"input_ids", "labels", "document_ids"}
+        (``contract.documents``: inputs ``(input_ids, document_ids)`` for packed documents). ``inputs``
+        (a tensor or a flat tuple of tensors) are the first layer's arguments; when the module computes side inputs,
+        a first layer whose forward takes fewer positional arguments gets the leading ones, and the others (document
+        ids) reach ``pipeline_side_inputs`` only.
         ``pipeline_side_inputs(inputs)``: a dict of values every layer may need besides its input (position ids,
         rotary cos/sin, an attention mask), computed once per micro-batch on every stage from that micro-batch's
         ``inputs``; each layer whose ``forward`` takes a keyword of that name (or ``**kwargs``) receives it, so
@@ -94,6 +98,8 @@ class PipelineHooks:
         raise NotImplementedError("define pipeline_loss(output, target) to return a micro-batch's loss")
 
     def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        if is_token_batch(batch):  # {"input_ids", "labels", "document_ids"}: contract.documents
+            return token_batch_inputs(batch)
         if isinstance(batch, torch.Tensor):  # inputs alone (e.g. a prediction loader): no target
             return batch, None
         # (inputs,) from TensorDataset(x), or (inputs, target)
@@ -120,7 +126,10 @@ class PipelineHooks:
         side = compute_side_inputs(fn, inputs) if fn is not None else None
         out = inputs
         for i, layer in enumerate(self.pipeline_layers()):
-            args, kwargs = LayerCall(layer, f"pipeline_layers()[{i}]").arguments(out, side)
+            call = LayerCall(layer, f"pipeline_layers()[{i}]")
+            if i == 0 and fn is not None:
+                out = call.leading_inputs(out)
+            args, kwargs = call.arguments(out, side)
             out = layer(*args, **kwargs)
         return out
 

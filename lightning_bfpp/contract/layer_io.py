@@ -40,6 +40,7 @@ class LayerCall:
     def __init__(self, layer: nn.Module, name: str):
         self.layer, self.name = layer, name
         self.positional: list[str] = []  # parameters that positional arguments fill, in order
+        self.any_positional = False  # forward takes *args
         self.keywords: frozenset[str] | None = frozenset()  # None: any keyword (forward takes **kwargs)
         try:
             params = inspect.signature(layer.forward).parameters.values()
@@ -47,6 +48,7 @@ class LayerCall:
             return
         names = set()
         for p in params:
+            self.any_positional |= p.kind is p.VAR_POSITIONAL
             if p.kind is p.VAR_KEYWORD:
                 names = None
                 break
@@ -62,6 +64,15 @@ class LayerCall:
         recompute context can be entered more than once: a split backward (breadth_first_zb's input- and
         weight-gradient passes) recomputes the layer in each."""
         return nullcontext(), _EachTime(lambda: buffers_kept(self.layer))
+
+    def leading_inputs(self, inputs: Any) -> Any:
+        """The pipeline inputs this layer, the first, takes when the module computes side inputs: a tuple longer than
+        its forward's positional parameters gives it the leading ones; the others (e.g. the document ids of packed
+        windows, ``contract.documents``) reach ``pipeline_side_inputs`` only."""
+        if isinstance(inputs, tuple) and not self.any_positional and 0 < len(self.positional) < len(inputs):
+            kept = inputs[: len(self.positional)]
+            return kept if len(kept) > 1 else kept[0]
+        return inputs
 
     def arguments(self, value: Any, side: Mapping[str, Any] | None) -> tuple[tuple, dict[str, Any]]:
         """(args, kwargs) for this layer from the previous layer's output `value` and the side inputs."""

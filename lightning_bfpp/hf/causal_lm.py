@@ -43,7 +43,9 @@ class CausalLM(PipelineHooks, LightningModule):
     The model's top-level modules (``transformer``/``model``, ``lm_head``) are registered on this module itself,
     so ``state_dict()`` and checkpoints exported with ``python -m lightning_bfpp.checkpoint`` load into the plain
     Hugging Face class with ``load_state_dict(strict=True)``. Batches are ``(input_ids, targets)`` with targets
-    already shifted (the next token; -100 is ignored). Tied embeddings become one copy per stage, kept identical.
+    already shifted (the next token; -100 is ignored), or token batches {"input_ids", "labels", "document_ids"}
+    (``lightning_bfpp.contract.documents``: a window packing documents, each attending only within itself).
+    Tied embeddings become one copy per stage, kept identical.
 
     Args:
         model: e.g. ``GPT2LMHeadModel(config)`` or ``LlamaForCausalLM(config)`` (dropout draws differ per process).
@@ -139,8 +141,10 @@ class CausalLM(PipelineHooks, LightningModule):
     def pipeline_layers(self) -> list[nn.Module]:
         return self._layers
 
-    def pipeline_side_inputs(self, input_ids: torch.Tensor) -> dict[str, Any]:
-        return causal_lm_side_inputs(self.hf_model, input_ids)
+    def pipeline_side_inputs(self, inputs: Any) -> dict[str, Any]:
+        """Position ids, rotary cos/sin and the attention mask of `inputs`: input ids, or (input ids, document ids) of
+        a window packing several documents (positions restart at each, attention stays within it)."""
+        return causal_lm_side_inputs(self.hf_model, inputs)
 
     def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int,
                          sequence_parallel: bool = False) -> dict[str, Any] | None:
@@ -172,12 +176,13 @@ class CausalLM(PipelineHooks, LightningModule):
         if self._router_totals is not None:
             self.log("train_aux_loss", load_balancing_loss(self._router_totals.total("router_stats")))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.pipeline_forward(input_ids)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Logits of input ids, or of (input ids, document ids): ``self(x)`` or ``self(*x)``."""
+        return self.pipeline_forward(inputs[0] if len(inputs) == 1 else inputs)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        input_ids, targets = batch
-        loss_sum, items = cross_entropy_sum(self(input_ids), targets)
+        inputs, targets = self.pipeline_inputs(batch)
+        loss_sum, items = cross_entropy_sum(self(inputs), targets)
         self.log("train_loss", loss_sum / items, sync_dist=True)  # the global batch's mean, as bfpp logs it
         if self._router_coef is not None:
             aux = load_balancing_loss(self._layers[-1].last_stats)
@@ -186,8 +191,8 @@ class CausalLM(PipelineHooks, LightningModule):
         return loss_sum / items
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        input_ids, targets = batch
-        self.log("val_loss", mean_loss(cross_entropy_sum(self(input_ids), targets)), sync_dist=True)
+        inputs, targets = self.pipeline_inputs(batch)
+        self.log("val_loss", mean_loss(cross_entropy_sum(self(inputs), targets)), sync_dist=True)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The logits of a batch of input ids, or of (input_ids, targets) pairs (under every strategy)."""

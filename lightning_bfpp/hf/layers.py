@@ -19,7 +19,7 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor) -> torch.Tensor:
         return self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, D)
 
 

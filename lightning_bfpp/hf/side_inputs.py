@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..contract.context_parallel import causal_mask, current, token_positions
+from ..contract.documents import document_causal_mask, document_positions, split_documents
 from .context_parallel import check_attention_routed, own_implementation
 from .layers import attention_types, base_model
 
@@ -19,19 +20,19 @@ MASK_FREE = ("flash_attention_2", "flash_attention_3")
 
 
 def attention_mask(seq: int, window: int | None, implementation: str, dtype: torch.dtype,
-                   device: torch.device) -> torch.Tensor | None:
-    """The mask the model's attention kernel needs for a full-length causal sequence: none for flash attention
-    (causal and windowed by itself) and for sdpa without a window (``is_causal``); a boolean (1, 1, T, T) mask
-    for sdpa with a window (True: attend); an additive one for eager attention."""
-    if implementation in MASK_FREE or (window is None and implementation == "sdpa"):
+                   device: torch.device, document_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The mask the model's attention kernel needs for a causal sequence: none for flash attention (causal and
+    windowed by itself; packed documents it reads from the position ids, as transformers' packed-sequence path) and for
+    sdpa without a window or documents (``is_causal``); a boolean mask for sdpa (True: attend), (1, 1, T, T), or
+    (B, 1, T, T) keeping each token within its document (`document_ids`); an additive one for eager attention."""
+    if implementation in MASK_FREE or (window is None and document_ids is None and implementation == "sdpa"):
         return None
-    pos = torch.arange(seq, device=device)
-    allowed = pos[None, :] <= pos[:, None]  # (T_query, T_key): keys up to the query
-    if window is not None:
-        allowed &= pos[None, :] > pos[:, None] - window  # the last `window` keys, as transformers' sliding window
+    if document_ids is None:
+        document_ids = torch.zeros(1, seq, dtype=torch.long, device=device)
+    allowed = document_causal_mask(document_ids, window)
     if implementation == "sdpa":
-        return allowed[None, None]
-    return torch.zeros(seq, seq, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 @functools.cache
@@ -41,14 +42,18 @@ def _rotary_per_type(cls: type) -> bool:
     return "layer_type" in inspect.signature(cls.forward).parameters
 
 
-def causal_lm_side_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str, Any]:
+def causal_lm_side_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
     """What the model's own forward computes once and hands to every decoder layer: position ids, rotary cos/sin
     (in the default dtype: bf16 under precision='bf16-true') and the attention mask, per attention type when
-    the layers mix types (then under ``per_attention_type``, read by ``TypedDecoderLayer``). Under context parallel
-    `input_ids` are this rank's shard: positions are its tokens' in the whole sequence and masks are over the keys its
-    attention gathers (bfpp's attention function, ``hf.context_parallel``, attends over them)."""
+    the layers mix types (then under ``per_attention_type``, read by ``TypedDecoderLayer``). `inputs`: the input ids,
+    or (input ids, document ids) of packed documents: positions then restart at each document and attention stays
+    within it (``contract.documents``). Under context parallel they are this rank's shard: positions are its tokens' in
+    the whole sequence and masks are over the keys its attention gathers (bfpp's attention function,
+    ``hf.context_parallel``, attends over them)."""
+    input_ids, document_ids = split_documents(inputs)
     seq, device, dtype = input_ids.shape[1], input_ids.device, torch.get_default_dtype()
-    position_ids = token_positions(seq, device).unsqueeze(0)  # (1, T): 0..T-1, or this rank's tokens' positions
+    position_ids = (token_positions(seq, device).unsqueeze(0) if document_ids is None  # (1, T)
+                    else document_positions(document_ids))  # (B, T)
     sharded = current() is not None
     if sharded:
         check_attention_routed(model)
@@ -65,10 +70,10 @@ def causal_lm_side_inputs(model: nn.Module, input_ids: torch.Tensor) -> dict[str
             inputs["position_embeddings"] = (rotary(x, position_ids, kind) if per_type_rotary
                                              else rotary(x, position_ids))
         window = config.sliding_window if kind == "sliding_attention" else None
-        if sharded:  # full attention: causal by positions in bfpp's attention function; a window: its mask
-            mask = causal_mask(seq, device, window) if window is not None else None
+        if sharded:  # plain causal: by positions in bfpp's attention function; a window or documents: this mask
+            mask = causal_mask(seq, device, window, document_ids) if window or document_ids is not None else None
         else:
-            mask = attention_mask(seq, window, own_implementation(model), dtype, device)
+            mask = attention_mask(seq, window, own_implementation(model), dtype, device, document_ids)
         if mask is not None:
             inputs["attention_mask"] = mask
         per_type[kind] = inputs

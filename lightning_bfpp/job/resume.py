@@ -33,12 +33,16 @@ def resume_training_loader(dataloader: object, fit_loop: Any) -> object:
     trained on (`processed`: a ModelCheckpoint saving in on_train_batch_end has not yet counted its batch
     `completed`); otherwise `dataloader` as it is. A checkpoint of an epoch's end (its last batch,
     on_train_epoch_end, or a finished epoch) resumes at the next epoch's start, as Lightning's restart stages say."""
-    if not fit_loop.restarting:
-        return dataloader
-    batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
-    if epochs.processed < epochs.ready and not batches.is_last_batch:
-        return skip_consumed_batches(dataloader, batches.current.processed)
+    if fit_loop.restarting and mid_epoch(fit_loop):
+        return skip_consumed_batches(dataloader, fit_loop.epoch_loop.batch_progress.current.processed)
     return dataloader
+
+
+def mid_epoch(fit_loop: Any) -> bool:
+    """Whether Lightning's `fit_loop`, saved now, resumes inside its epoch (after its `processed` batches) rather than
+    at the next epoch's start (at an epoch's last batch, in on_train_epoch_end, or after fit ends)."""
+    batches, epochs = fit_loop.epoch_loop.batch_progress, fit_loop.epoch_progress.current
+    return epochs.processed < epochs.ready and not batches.is_last_batch
 
 
 def skip_consumed_batches(dataloader: object, consumed: int) -> object:
@@ -47,6 +51,8 @@ def skip_consumed_batches(dataloader: object, consumed: int) -> object:
         return dataloader
     if hasattr(dataloader, "state_dict") and hasattr(dataloader, "load_state_dict"):
         return dataloader  # stateful loaders resume themselves through Lightning
+    if getattr(dataloader.sampler, "restores_position", False):
+        return dataloader  # a sampler that skips the consumed samples itself (lightning_bfpp.data.ResumableSampler)
     return DataLoader(
         dataloader.dataset,
         batch_sampler=SkipFirstBatches(dataloader.batch_sampler, consumed),

@@ -66,6 +66,8 @@ class StageModule(nn.Module):
             if self.side_input_dtype is not None:
                 side = apply_to_collection(side, torch.Tensor, _cast_float, self.side_input_dtype)
         out = args if len(args) != 1 else args[0]
+        if self.index == 0 and self._side_inputs is not None:  # the inputs the first layer takes (contract.hooks)
+            out = self._calls[0].leading_inputs(out)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         order = ", ".join(c.name for c in self._calls)
         for i, call in enumerate(self._calls):

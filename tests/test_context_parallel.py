@@ -1,15 +1,14 @@
 """Context parallel (each rank holds 1/cp of every sequence; attention gathers keys and values over the cp group):
-the example GPT, Hugging Face causal LMs (Llama, Mistral's sliding window, ...) and a GPT over packed documents train
-like one process (SGD, 3 steps, <= 1e-6), a checkpoint reshards between cp sizes, a pipeline message and a layer's
-gathered keys and values are what the simulator counts, the saved activations per rank shrink as the simulator says,
-and bad settings are refused before launch, naming the setting. Launches of tests/run_context.py: 4 processes (in
-`make test`), a wider matrix on 4 and 8 processes (slow)."""
+the example GPT (also over windows packing several documents) and Hugging Face causal LMs (Llama, Mistral's sliding
+window, ...) train like one process (SGD, 3 steps, <= 1e-6), a checkpoint reshards between cp sizes, a pipeline
+message and a layer's gathered keys and values are what the simulator counts, the saved activations per rank shrink
+as the simulator says, and bad settings are refused before launch, naming the setting. Launches of
+tests/run_context.py: 4 processes (in `make test`), a wider matrix on 4 and 8 processes (slow)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import packed_gpt
 import pytest
 import run_tp
 import torch
@@ -24,14 +23,15 @@ from lightning_bfpp.schedule.dims import LayoutError, ParallelDims
 pytest.importorskip("transformers", reason="the Hugging Face configs need the [hf] extra")
 
 from test_hf_exact import reference as hf_reference
-from test_tensor_parallel import _compare
+from test_tensor_parallel import _compare, check_packed_documents
 from test_tensor_parallel import reference as gpt_reference
 
 EXACT, RESUME = 1e-6, 1e-5
 STEPS, BATCH = 3, 8
 
-# name: config ("model": gpt | hf | packed, then run_tp's, run_hf_exact's or packed_gpt's keys); HF models default to
-# pp=2 x loops=2 (embedding, 2 decoder layers, head)
+# name: config ("model": gpt | hf, then run_tp's or run_hf_exact's keys); HF models default to pp=2 x loops=2
+# (embedding, 2 decoder layers, head); "packed": the example GPT on rows packing 2-4 documents (tests/packed_rows.py,
+# the document-id batches of lightning_bfpp.contract.documents), checked against each document run alone
 FAST = {
     "gpt-pp2-cp2": {"model": "gpt", "pp": 2, "cp": 2, "m": 2},
     "gpt-pp1-dp2-cp2": {"model": "gpt", "pp": 1, "cp": 2, "m": 2},
@@ -39,7 +39,7 @@ FAST = {
     "hf-llama-pp1-dp2-cp2": {"model": "hf", "family": "llama", "cp": 2, "pp": 1, "m": 2},
     # every layer attends within a window of 4 tokens, shorter than a chunk (16 / 4): only chunk ends are gathered
     "hf-mistral-pp2-cp2": {"model": "hf", "family": "mistral", "cp": 2},
-    "packed-pp2-cp2": {"model": "packed", "pp": 2, "cp": 2, "m": 2},
+    "gpt-packed-pp2-cp2": {"model": "gpt", "packed": True, "pp": 2, "cp": 2, "m": 2},
     # the saved activations of a cp=1 layout with the same micro-batches (its replica loads 8 samples too)
     "gpt-pp2-dp2-batch16": {"model": "gpt", "pp": 2, "m": 2, "batch": 16},
     # AdamW, 4 steps saving at step 2 at cp=2, resumed from step 2 at cp=1 (dp 2)
@@ -58,7 +58,7 @@ WIDE = {
     "gpt-pp1-cp2-none": {"model": "gpt", "pp": 1, "cp": 2, "m": 2, "sharding": "none"},
     "gpt-pp2-cp2-1f1b": {"model": "gpt", "pp": 2, "cp": 2, "m": 4, "schedule": "1f1b"},
     "gpt-pp1-cp4": {"model": "gpt", "pp": 1, "cp": 4, "m": 2},  # 8 chunks of one token
-    "packed-pp1-dp2-cp2": {"model": "packed", "pp": 1, "cp": 2, "m": 2},
+    "gpt-packed-pp1-dp2-cp2": {"model": "gpt", "packed": True, "pp": 1, "cp": 2, "m": 2},
     "gpt-pp1-dp2-cp2-compile": {"model": "gpt", "pp": 1, "cp": 2, "m": 2, "compile": True},  # gathers run eagerly
 }
 WORLD8 = {
@@ -91,17 +91,17 @@ def _dp(devices: int, cfg: dict) -> int:
 def _check(records: list[dict], cfg: dict, devices: int) -> None:
     """Every rank's parameters and the logged losses against one process on the same data."""
     dp = _dp(devices, cfg)
+    if cfg.get("packed"):
+        check_packed_documents(records, dp)
+        return
     if cfg["model"] == "gpt":
         ref = gpt_reference(STEPS, [dp] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
                             batch=cfg.get("batch", BATCH), ignored=cfg.get("ignored", False))
         _compare(records, ref, EXACT)
         return
-    if cfg["model"] == "packed":
-        params, losses = packed_gpt.reference(STEPS, BATCH, dp)
-    else:
-        model, losses, _ = hf_reference(cfg["family"], dp, attn=cfg.get("attn", "sdpa"),
-                                        kv_heads=cfg.get("kv_heads", 1), ignored=cfg.get("ignored", False))
-        params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    model, losses, _ = hf_reference(cfg["family"], dp, attn=cfg.get("attn", "sdpa"), kv_heads=cfg.get("kv_heads", 1),
+                                    ignored=cfg.get("ignored", False))
+    params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     got = {n: t for r in records for n, t in r["params"].items()}
     assert set(got) <= set(params) and got
     worst = max((got[n] - params[n]).abs().max().item() for n in got)

@@ -239,7 +239,8 @@ def check_layout(cfg: DictConfig) -> int:
     auto = get("trainer.strategy") == "bfpp" and get("schedule.layout") == "auto"
     if auto:  # the planner picks the knobs (the typed ones pinned) for data.batch_size; BFPPStrategy checks the pins
         dims = ParallelDims(world=devices * nodes, devices_per_node=devices,
-                            tensor_parallel=_default(get("schedule.tensor_parallel"), 1))
+                            tensor_parallel=_default(get("schedule.tensor_parallel"), 1),
+                            context_parallel=_default(get("schedule.context_parallel"), 1))
     elif get("trainer.strategy") == "bfpp":
         pp, loops, m = get("schedule.pipeline_parallel"), get("schedule.loops"), get("schedule.micro_batches")
         m, tp = _default(m, pp), _default(get("schedule.tensor_parallel"), 1)
@@ -248,13 +249,14 @@ def check_layout(cfg: DictConfig) -> int:
         dims = ParallelDims(world=devices * nodes, devices_per_node=devices, spec=spec, tensor_parallel=tp,
                             sharding=_default(get("schedule.sharding"), "full"),
                             sequence_parallel=_default(get("schedule.sequence_parallel"), False),
-                            expert_parallel=_default(get("schedule.expert_parallel"), 1))
+                            expert_parallel=_default(get("schedule.expert_parallel"), 1),
+                            context_parallel=_default(get("schedule.context_parallel"), 1))
         n_layer = get("model.n_layer")
         check_experts_model(cfg)
     names = Names(
         pipeline_parallel="schedule.pipeline_parallel", tensor_parallel="schedule.tensor_parallel",
-        sequence_parallel="schedule.sequence_parallel", loops="schedule.loops", groups="schedule.groups",
-        expert_parallel="schedule.expert_parallel",
+        sequence_parallel="schedule.sequence_parallel", context_parallel="schedule.context_parallel",
+        expert_parallel="schedule.expert_parallel", loops="schedule.loops", groups="schedule.groups",
         micro_batches="schedule.micro_batches" if n_layer is not None else "micro_batches (1 under strategy=auto)",
         sharding="schedule.sharding",
         world="cluster.devices x cluster.num_nodes", devices="cluster.devices", batch="data.batch_size",

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_bfpp.contract.context_parallel import attention, token_positions
 from lightning_bfpp.contract.documents import document_causal_mask, document_positions, split_documents
 from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
 from lightning_bfpp.contract.router_loss import load_balancing_loss, router_loss, router_stats
@@ -65,8 +66,9 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`position_ids` (B, T): positions restarting at each packed document (GPT.pipeline_side_inputs)."""
-        pos = torch.arange(idx.shape[1], device=idx.device) if position_ids is None else position_ids
+        """`position_ids` (B, T): positions restarting at each packed document (GPT.pipeline_side_inputs); else
+        0..T-1, or under context parallel this rank's tokens' positions in the whole sequence."""
+        pos = token_positions(idx.shape[1], idx.device) if position_ids is None else position_ids
         return self.drop(self.tok(idx) + self.pos(pos))
 
 
@@ -150,9 +152,11 @@ class Block(nn.Module):
         B, T, _ = h.shape  # the whole sequence (under sequence parallel x is this rank's shard; h is gathered)
         # (B, nh, T, hs); under tensor parallel nh is this rank's heads (q/k/v hold n_head / tp heads' columns)
         q, k, v = (f(h).view(B, T, -1, self.head_size).transpose(1, 2) for f in (self.q, self.k, self.v))
-        # causal; with packed documents, attn_mask (B, 1, T, T) keeps each token within its document
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        # causal; with packed documents, attn_mask (B, 1, T, T) keeps each token within its document. Under context
+        # parallel (T: this rank's share of the sequence) over the keys and values of the whole sequence, gathered from
+        # the context-parallel ranks (F.scaled_dot_product_attention otherwise)
+        y = attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+                      dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, -1)  # re-assemble heads: (B, T, nh * hs)
         x = x + self.resid_drop(self.proj(y))
         if not isinstance(self.mlp, MoE):
@@ -299,6 +303,11 @@ class GPT(PipelineHooks, L.LightningModule):
         scatter = RowwiseParallel(output_layouts=Shard(1))  # its output summed over tp and cut to this rank's shard
         return {**plan, "proj": scatter, "mlp.2": scatter,
                 "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(gather_output=True)}
+
+    def pipeline_context_parallel(self, layer_name: str, layer: nn.Module, context_parallel: int) -> bool:
+        """Every layer runs on a shard of each sequence: the embedding takes its tokens' positions from
+        token_positions, a block attends through contract.context_parallel.attention, the head is per token."""
+        return isinstance(layer, (Embedding, Block, Head))
 
     def _lm_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         target = target.reshape(-1)

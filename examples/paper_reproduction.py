@@ -91,7 +91,8 @@ def _layout(p) -> str:
     extra += " raf" if c.reshard_after_forward else ""
     extra += f" {c.sharding}" if c.sharding != "full" else ""
     extra += f" {c.residency}{c.cache or ''}" if c.residency != "step" else ""
-    return (f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''} pp{c.pipeline_parallel} "
+    cp = f" cp{c.context_parallel}" if c.context_parallel > 1 else ""
+    return (f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''}{cp} pp{c.pipeline_parallel} "
             f"l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}")
 
 
@@ -207,6 +208,35 @@ def residency_table(model: Model, cluster: Cluster, betas=(0.5, 2)) -> str:
     return "\n".join(rows)
 
 
+# Context parallel, with and without: (label, model, nodes of the cluster, sequences per step)
+CP_CASES = (("52B, seq 1024, 1/8 sequence per GPU", "gpt_52b", 64, 64),
+            ("8B, seq 32768, 1/4 sequence per GPU (activation checkpointing)", "gpt_8b_32k", 8, 16))
+CP_SIZES = (1, 2, 4, 8)
+
+
+def context_parallel_table(cluster_name: str) -> str:
+    """For each CP_CASES entry, the planner's best layout (every schedule, tp, sequence parallel, sharding) with
+    context parallel off (cp = 1) and searched beside tp (CP_SIZES), its throughput and peak memory per GPU."""
+    rows = ["| case | cp searched | model TFLOP/s per GPU | tokens/s per GPU | peak memory GB | layout |",
+            "|---|---|---|---|---|---|"]
+    for label, model_name, nodes, batch in CP_CASES:
+        model, cluster = load(model_name, cluster_name)
+        cluster = replace(cluster, num_nodes=nodes)
+        for sizes in ((1,), CP_SIZES):
+            plans = [p for p in search(model, cluster, batch, top=1, context_parallels=sizes,
+                                       schedules=MODES["planner"][0], shardings=MODES["planner"][1]) if p.fits]
+            searched = "no (cp = 1)" if sizes == (1,) else "cp ∈ {" + ", ".join(map(str, sizes)) + "}"
+            if not plans:
+                rows.append(f"| {label} ({cluster.world_size} GPUs) | {searched} | — | — | — | does not fit |")
+                continue
+            p = plans[0]
+            tflops = p.tokens_per_second_per_device * model.flops_per_token() / 1e12
+            rows.append(f"| {label} ({cluster.world_size} GPUs) | {searched} | {tflops:.1f} | "
+                        f"{p.tokens_per_second_per_device:.0f} | {p.peak_memory / 1e9:.1f} | {_layout(p)} "
+                        f"dp{p.candidate.data_parallel} |")
+    return "\n".join(rows)
+
+
 def gantt(model: Model, cluster: Cluster, plan, path: Path) -> None:
     from lightning_bfpp.sim.draw import draw_schedule
 
@@ -225,9 +255,16 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also activation checkpointing and achieved-compute tables")
     parser.add_argument("--residency", action="store_true",
                         help="only the tp=1 weight-residency table (64 GPUs, ~1 min)")
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="only the table of the best layouts with and without context parallel (CP_CASES)")
     args = parser.parse_args()
     if args.residency:
         print(residency_table(*load(args.model, args.cluster)))
+        return
+    if args.context_parallel:
+        start = time.perf_counter()
+        print(context_parallel_table(args.cluster))
+        print(f"({time.perf_counter() - start:.0f} s)")
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -413,6 +413,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight is one Parameter: counted once
     pp = s.pipeline_parallel if bfpp else 1
     tp = s.get("tensor_parallel", 1) if bfpp else 1
+    cp = s.get("context_parallel", 1) if bfpp else 1
     metrics = PipelineMetrics(
         # 6 x matmul weights + 12 L C T (model.n_layer, n_embd, block_size): the HF models' weights count as built
         flops_per_token=flops_per_token(cfg.model, model),
@@ -423,6 +424,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
                        "global_batch_size": cfg.data.batch_size * cfg.trainer.accumulate_grad_batches,
                        "block_size": cfg.model.block_size,
                        "schedule": s.name if bfpp else "none", "pipeline_parallel": pp, "tensor_parallel": tp,
+                       "context_parallel": cp,
                        "loops": s.loops if bfpp else 1, "micro_batches": s.micro_batches if bfpp else 1},
         log_schedule=bool(cfg.logger.get("log_schedule", True)),
     )

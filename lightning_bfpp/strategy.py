@@ -42,7 +42,7 @@ from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import resume_training_loader
 from .layout.auto import AutoLayout
 from .layout.materialize import has_meta_tensors
-from .layout.mesh import build_expert_mesh, build_mesh, forget_groups
+from .layout.mesh import build_expert_mesh, build_mesh, forget_groups, parameter_mesh
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import layer_plans
@@ -70,6 +70,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             tp rank's 1/tp of the sequence; the sequence length must divide by tp. Default: off.
         expert_parallel: data-parallel ranks splitting each mixture-of-experts layer's experts (tokens dispatched by
             all-to-all; ``lightning_bfpp.layout.experts``); must divide data parallel. Default 1.
+        context_parallel: ranks sharing every sequence (cp; mesh pp x dp x cp x tp): each holds 1/cp of it and
+            attention gathers the rest (docs/context_parallel.md); the sequence length must divide by 2 x cp.
         loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
         micro_batches: micro-batches per step, split from each replica's batch (default: pp).
         schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb".
@@ -119,6 +121,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
         signal_checkpoint: str | Path | None = None, async_save: bool = False, expert_parallel: int = 1,
+        context_parallel: int = 1,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -126,7 +129,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         # the layout, checked now (before any process starts), then again with the world and the model
         self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
                                groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size,
-                               expert_parallel)
+                               expert_parallel, context_parallel)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -150,6 +153,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     tensor_parallel = property(lambda self: self.plan.dims.tensor_parallel)
     expert_parallel = property(lambda self: self.plan.dims.expert_parallel)
     sequence_parallel = property(lambda self: self.plan.dims.sequence_parallel)
+    context_parallel = property(lambda self: self.plan.dims.context_parallel)
     data_parallel = property(lambda self: self.plan.dims.data_parallel)
     sharding = property(lambda self: self.plan.dims.sharding)
     loops = property(lambda self: self.plan.dims.spec.loops)
@@ -255,7 +259,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
         # Lightning's plugin as a subclass (``adapter.precision``): the global norm, no autocast where FSDP2 casts
-        clip = partial(clip_grad_norm_on_mesh, mesh=self.device_mesh, sharded=self.dims.sharded, tied=self.tied)
+        clip = partial(clip_grad_norm_on_mesh, mesh=parameter_mesh(self.dims, self.device_mesh),
+                       sharded=self.dims.sharded, tied=self.tied)
         self.precision_plugin = pipeline_precision(self.precision_plugin, clip, self._fsdp_mixed_precision,
                                                    self._training.before_optimizer_step)
 
@@ -299,7 +304,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
                                                  self.activation_checkpointing, self.compile, experts)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims, self.compile)
+                                      module.pipeline_loss, self.dims, self.compile, say=rank_zero_info)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

@@ -6,12 +6,13 @@ Config keys: family (gpt2|llama|qwen2|mistral|gemma3|qwen3|olmo2|olmoe|mixtral|q
 attend within a sliding window; Gemma 3 mixes sliding-window and full attention layers, each with its own rotary
 cos/sin, scales its embedding and soft-caps its logits; Mixtral and Qwen3-MoE train their router loss; DeepSeek-V3 has a
 shared expert beside its routed ones and latent attention; see hf_model), tie (tied embeddings; default: the family's
-own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), pp,
-loops, m, steps, batch (global), precision, ac (activation_checkpointing), ignored (prompt and padding targets of -100
-in every row), accumulate (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a
-save_pretrained directory: CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents,
-tests/packed_rows.py: token batches with document ids; after fit the logits of the first `batch` rows are predicted,
-"predicted", each data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel).
+own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), cp
+(context parallel), pp, loops, m, steps, batch (global), precision, ac (activation_checkpointing), ignored (prompt and
+padding targets of -100 in every row), accumulate (accumulate_grad_batches), save (checkpoint folder written after fit),
+pretrained (a save_pretrained directory: CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4
+documents, tests/packed_rows.py: token batches with document ids; after fit the logits of the first `batch` rows are
+predicted, "predicted", each data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep
+(expert_parallel).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
 [names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
 "expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}.
@@ -127,7 +128,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                                   kv_heads=cfg.get("kv_heads", 1)), optimizer=sgd)
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2),
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
-                            sequence_parallel=cfg.get("sp"),
+                            sequence_parallel=cfg.get("sp"), context_parallel=cfg.get("cp", 1),
                             activation_checkpointing=cfg.get("ac", False), expert_parallel=cfg.get("ep", 1),
                             timeout=timedelta(seconds=120))
     record = Losses()
@@ -135,7 +136,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                       precision=cfg.get("precision", "32-true"), accumulate_grad_batches=cfg.get("accumulate", 1),
                       logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
-    per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1)))
+    per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1) * cfg.get("cp", 1)))
     data = PackedRows(SAMPLES, SEQ, VOCAB) if cfg.get("packed") else dataset(cfg.get("ignored", False))
     trainer.fit(model, DataLoader(data, batch_size=per_replica, drop_last=True))
     predicted = None

@@ -1,15 +1,16 @@
 """Train a tiny example GPT with strategy=bfpp and tensor parallel, several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_tp.py OUT_DIR DEVICES '[{"pp": 2, "tp": 2, "m": 2}, ...]'
-Config keys: pp, tp, sp (sequence parallel), loops, m, schedule, sharding, steps (max_steps), batch (global), opt
-(sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt and padding targets of -100),
-accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint "step=N.ckpt"), resume (ckpt_path),
-packed (rows packing 2-4 documents, tests/packed_rows.py; after fit the logits of the first `batch` rows are predicted:
-"predicted", replica r of dp predicting rows r, r + dp, ...: "replica" (r, dp)), moe (a mixture of 4 experts, 2 per
-token, in every block, with its router loss), ep (expert_parallel).
+Config keys: pp, tp, sp (sequence parallel), cp (context parallel), compile, loops, m, schedule, sharding, steps
+(max_steps), batch (global), opt (sgd|adamw), clip, ac, precision, tied (embedding tied to the head), ignored (prompt
+and padding targets of -100), accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint
+"step=N.ckpt"), resume (ckpt_path), packed (rows packing 2-4 documents, tests/packed_rows.py; after fit the logits of
+the first `batch` rows are predicted: "predicted", replica r of dp predicting rows r, r + dp, ...: "replica" (r, dp)),
+moe (a mixture of 4 experts, 2 per token, in every block, with its router loss), ep (expert_parallel).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
 "tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
-"message_bytes": the largest activation message it sent}.
+"message_bytes": the largest activation message it sent, "kv_gather_bytes": the keys and values one attention layer
+all-gathered (context parallel; the largest over ranks)}.
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ class Losses(Callback):
 def run(cfg: dict, devices: int, out: Path) -> None:
     torch.manual_seed(0)
     model = GPT(model_config(cfg.get("tied", False), cfg.get("moe", False)), optim_config(cfg.get("opt", "sgd")))
-    pp, tp = cfg.get("pp", 1), cfg.get("tp", 1)
+    pp, tp, cp = cfg.get("pp", 1), cfg.get("tp", 1), cfg.get("cp", 1)
     strategy = BFPPStrategy(
         pipeline_parallel=pp, tensor_parallel=tp, sequence_parallel=cfg.get("sp"), loops=cfg.get("loops", 1),
+        context_parallel=cp,
         micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
         activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120), expert_parallel=cfg.get("ep", 1),
+        compile=cfg.get("compile", False),
     )
     losses = Losses()
     callbacks: list[Callback] = [losses]
@@ -100,7 +103,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=callbacks,
     )
-    dp = devices // (pp * tp)
+    dp = devices // (pp * tp * cp)
     data = PackedRows(SAMPLES, BLOCK, VOCAB) if cfg.get("packed") else dataset(cfg.get("ignored", False))
     loader = DataLoader(data, batch_size=cfg.get("batch", 8) // dp, shuffle=False, drop_last=True)
     trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
@@ -116,6 +119,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     torch.save({"params": params, "local_shapes": local, "tp_split": sorted(n for n, p in named if tp_sharded(p)),
                 "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank),
                 "message_bytes": strategy.runner.message_bytes, "predicted": predicted,
+                "kv_gather_bytes": strategy.step_stats.get("kv_gather_bytes"),
                 "replica": (strategy.distributed_sampler_kwargs["rank"],
                             strategy.distributed_sampler_kwargs["num_replicas"])},
                out / f"rank{trainer.global_rank}.pt")

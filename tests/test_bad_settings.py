@@ -65,6 +65,8 @@ ROWS = [
      "error: trainer.max_step=10: the config has no key trainer.max_step; did you mean trainer.max_steps?"),
     ("misspelt_schedule_file", ["schedule=breadth_frist"], "did you mean schedule=breadth_first?"),
     ("expert_parallel_without_experts", ["schedule.expert_parallel=2"], "schedule.expert_parallel=2"),
+    ("context_parallel_not_dividing_world", ["schedule.context_parallel=3"], "schedule.context_parallel"),
+    ("sequence_not_dividing_by_2cp", ["schedule.context_parallel=2", "model.block_size=62"], "data.block_size=62"),
 ]
 
 

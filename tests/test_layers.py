@@ -206,10 +206,11 @@ def test_without_importing_lightning_bfpp_there_is_no_bfpp_strategy():  # the tw
 # The one owner of the mesh (schedule/dims.py: sizes, names, rank <-> coordinates) and the one builder of it
 # (layout/mesh.py): nothing else computes where a rank sits in the mesh, builds a mesh, or names a mesh dimension.
 MESH_OWNER, MESH_BUILDER = "lightning_bfpp.schedule.dims", "lightning_bfpp.layout.mesh"
-MESH_SIZES = {"data_parallel", "tensor_parallel", "dp", "tp",  # (pipeline ranks and stages are the schedule's)
+MESH_SIZES = {"data_parallel", "tensor_parallel", "context_parallel", "dp", "tp", "cp",  # (pipeline: the schedule's)
               "expert_parallel", "expert_data_parallel", "ep"}
 MESH_CONSTRUCTORS = {"init_device_mesh", "DeviceMesh", "from_group", "_unflatten", "_flatten"}
-MESH_DIMENSIONS = ("pipeline_parallel", "data_parallel", "tensor_parallel", "expert_parallel", "expert_data_parallel")
+MESH_DIMENSIONS = ("pipeline_parallel", "data_parallel", "tensor_parallel", "context_parallel", "data_context_parallel",
+                   "expert_parallel", "expert_data_parallel")
 
 
 def _identifiers(node: ast.AST) -> set[str]:
@@ -254,8 +255,10 @@ def test_only_the_mesh_owner_computes_mesh_coordinates(path):
 def test_the_mesh_rule_sees_rank_arithmetic_meshes_and_dimension_names():
     code = ("first = (rank // tp) % dp * tp\nranks = [r * data_parallel + d for r in pipeline_ranks]\n"
             "m = init_device_mesh('cpu', (2, 2))\ng = mesh['data_parallel']\nok = mesh[DP]\nn = stage % pp\n"
-            "part = rank % ep\ne = mesh['expert_parallel']\nf = mesh[DP]._unflatten(0, (2, 2), ('a', 'b'))\n")
+            "part = rank % ep\ne = mesh['expert_parallel']\nf = mesh[DP]._unflatten(0, (2, 2), ('a', 'b'))\n"
+            "c = rank // tp % cp\nh = mesh['context_parallel']\n")
     broken = [b.split(":")[0] for b in mesh_rules_broken(code, "lightning_bfpp.layout.tied")]
-    assert sorted(set(broken)) == ["line 1", "line 2", "line 3", "line 4", "line 7", "line 8", "line 9"], broken
+    assert sorted(set(broken)) == ["line 1", "line 10", "line 11", "line 2", "line 3", "line 4", "line 7", "line 8",
+                                   "line 9"], broken  # not line 5 (a name, not a string) or 6 (stages)
     assert mesh_rules_broken(code, MESH_OWNER) == ["line 3: builds a mesh (init_device_mesh)",
                                                    "line 9: builds a mesh (_unflatten)"]

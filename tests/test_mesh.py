@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from procenv import free_port
 
-from lightning_bfpp.layout.mesh import build_mesh
+from lightning_bfpp.layout.mesh import build_mesh, parameter_mesh
 from lightning_bfpp.schedule import ScheduleSpec
-from lightning_bfpp.schedule.dims import DP, PP, TP, ParallelDims
+from lightning_bfpp.schedule.dims import CP, DP, DP_CP, PP, TP, ParallelDims
 
 WORLD = 4
 LAYOUTS = ((2, 1), (1, 2), (2, 2), (4, 1))  # (pipeline_parallel, tensor_parallel) built by every rank
@@ -43,6 +43,14 @@ def _worker(rank: int, port: int, out: dict) -> None:
             t = torch.ones(())
             dist.all_reduce(t, group=ours[names[-1]].get_group())  # the groups work
             found[(pp, tp, "sum")] = t.item()
+        # context parallel (pp1 x cp2 x tp2): the mesh has a CP dimension, and the parameters' mesh one of dp x cp
+        cp_dims = ParallelDims(world=WORLD, spec=ScheduleSpec(pipeline_parallel=1), tensor_parallel=2,
+                               context_parallel=2).validate()
+        for timeout in (timedelta(seconds=60), None):
+            mesh = build_mesh(cp_dims, "cpu", timeout=timeout)
+            params = parameter_mesh(cp_dims, mesh)
+            found[f"cp-{timeout is None}"] = [dist.get_process_group_ranks(g.get_group()) for g in (
+                mesh[CP], params[DP_CP], params[TP], mesh[TP])] + [params.mesh.tolist(), params.mesh_dim_names]
         again = build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))  # a later run's mesh: the same groups
         found["reused"] = again is build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))
         threads = _threads()
@@ -75,25 +83,39 @@ def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
             assert all(ours == theirs for ours, theirs in dims), (rank, key, dims)
             assert rank in dims[0][0]
         assert out[rank][(2, 2, "sum")] == 2.0 and out[rank][(1, 2, "sum")] == 2.0
+    for rank in range(WORLD):  # cp groups: ranks tp apart; gradients over dp x cp (dp 1: the cp group)
+        for key in ("cp-False", "cp-True"):
+            cp_group, grads, tp_params, tp_mesh, grid, names = out[rank][key]
+            assert cp_group == grads == [rank % 2, rank % 2 + 2] and tp_params == tp_mesh == [rank // 2 * 2,
+                                                                                              rank // 2 * 2 + 1]
+            assert grid == [[[0, 1], [2, 3]]] and names == (PP, DP_CP, TP)
     assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]
     # building the same layout again (every Trainer run does) creates no new groups, so no new gloo threads
     assert all(out[r]["reused"] and out[r]["new_threads"] == 0 for r in range(WORLD)), dict(out)
 
 
 def test_parallel_dims_own_every_ranks_coordinates():
-    """Global rank = (pipeline rank x dp + replica) x tp + tensor-parallel rank, the layout torch's init_device_mesh
-    gives the shape (pp, dp[, tp]) (checked against it above); every group and leader follows from it."""
-    for pp, tp, world in ((2, 1, 4), (1, 2, 4), (2, 2, 8), (4, 1, 4)):
-        dims = ParallelDims(world=world, spec=ScheduleSpec(pipeline_parallel=pp), tensor_parallel=tp).validate()
+    """Global rank = ((pipeline rank x dp + replica) x cp + context-parallel rank) x tp + tensor-parallel rank, the
+    layout torch's init_device_mesh gives the shape (pp, dp[, cp][, tp]) (checked against it above); every group and
+    leader follows from it, and the gradient groups (dp x cp) partition the world."""
+    for pp, cp, tp, world in ((2, 1, 1, 4), (1, 1, 2, 4), (2, 1, 2, 8), (4, 1, 1, 4), (2, 2, 1, 8), (1, 2, 2, 8),
+                              (2, 2, 2, 8)):
+        dims = ParallelDims(world=world, spec=ScheduleSpec(pipeline_parallel=pp), tensor_parallel=tp,
+                            context_parallel=cp).validate()
         dp = dims.data_parallel
-        assert dims.mesh_shape == ((pp, dp, tp) if tp > 1 else (pp, dp))
-        grid = torch.arange(world).reshape(pp, dp, tp)
+        assert dims.mesh_shape == tuple(n for n, keep in ((pp, True), (dp, True), (cp, cp > 1), (tp, tp > 1)) if keep)
+        assert dims.mesh_dim_names == tuple(n for n, size in ((PP, 0), (DP, 0), (CP, cp), (TP, tp)) if size != 1)
+        grid = torch.arange(world).reshape(pp, dp, cp, tp)
         for rank in range(world):
-            p, d, t = dims.coordinates(rank)
-            assert grid[p, d, t] == rank == dims.rank(p, d, t)
-            assert dims.group(PP, rank) == grid[:, d, t].tolist()
-            assert dims.group(DP, rank) == grid[p, :, t].tolist()
-            assert dims.group(TP, rank) == grid[p, d, :].tolist()
-            assert dims.replica_leader(rank) == grid[0, d, 0]
-        assert dims.across_pipeline_ranks((0, pp - 1)) == [grid[[0, pp - 1], d, t].tolist()
-                                                         for d in range(dp) for t in range(tp)]
+            p, d, t, c = dims.coordinates(rank)
+            assert grid[p, d, c, t] == rank == dims.rank(p, d, t, c)
+            assert dims.group(PP, rank) == grid[:, d, c, t].tolist()
+            assert dims.group(DP, rank) == grid[p, :, c, t].tolist()
+            assert dims.group(CP, rank) == grid[p, d, :, t].tolist()
+            assert dims.group(TP, rank) == grid[p, d, c, :].tolist()
+            assert dims.gradient_group(rank) == grid[p, :, :, t].flatten().tolist()
+            assert dims.replica_leader(rank) == grid[0, d, 0, 0]
+        assert dims.across_pipeline_ranks((0, pp - 1)) == [grid[[0, pp - 1], d, c, t].tolist()
+                                                         for d in range(dp) for c in range(cp) for t in range(tp)]
+        assert sorted(r for g in dims.gradient_groups() for r in g) == list(range(world))
+        assert dims.parameter_mesh_shape == ((pp, dp * cp) + ((tp,) if tp > 1 else ()) if cp > 1 else dims.mesh_shape)

@@ -48,6 +48,7 @@ def run_layout(trainer: L.Trainer) -> dict[str, Any]:
     return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "data_parallel": strategy.data_parallel,
             "tensor_parallel": strategy.tensor_parallel, "sequence_parallel": strategy.sequence_parallel,
             "expert_parallel": getattr(strategy, "expert_parallel", 1),
+            "context_parallel": strategy.context_parallel,
             "loops": spec.loops, "micro_batches": spec.micro_batches,
             "groups": spec.groups, "sharding": strategy.sharding, "reshard_after_forward": spec.reshard_after_forward,
             "stage_layers": strategy.stage_layers}

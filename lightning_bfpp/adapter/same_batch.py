@@ -39,7 +39,7 @@ def _same(a: float, b: float) -> bool:
 def check_same_batch(batch: Any, where: str, dims: ParallelDims, device: torch.device) -> None:
     """Raise on every rank (the same message) when the ranks of a data-parallel replica hold different batches
     (nothing to compare when a replica is one rank); each rank is compared with its replica's first rank."""
-    if dims.pipeline_parallel * dims.tensor_parallel == 1:
+    if dims.pipeline_parallel * dims.context_parallel * dims.tensor_parallel == 1:
         return
     rows = gather_rows(fingerprint(batch), device)
     leaders = [dims.replica_leader(rank) for rank in range(len(rows))]

@@ -5,7 +5,8 @@ measured when asked (``measure_every_n_steps``).
 
 The loss rule: a ``pipeline_loss`` returning ``(loss_sum, num_items)`` trains the mean over every counted item of the
 global batch, as one process on that batch. torch's runtime divides the gradients by the micro-batches (m) and data
-parallel averages them over the replicas (dp): each batch's gradients are handed over times m x dp (the gradient of
+parallel averages them over the replicas and context-parallel ranks (dp x cp): each batch's gradients are handed over
+times m x dp x cp (the gradient of
 the batch's loss sums), and before the optimizer step (``before_optimizer_step``) divided by the items counted over
 every batch since the last step (Lightning's ``accumulate_grad_batches``). A plain mean loss keeps torch's and
 Lightning's averaging (over micro-batches, replicas and accumulated batches)."""
@@ -64,7 +65,7 @@ class TrainingStep:
                 grads_like_params(params)
         loss, items = share_loss(loss, dims, device)  # from the last-stage ranks
         self.counted = items is not None
-        self.sum_scale = float(runner.spec.micro_batches * dims.data_parallel)
+        self.sum_scale = float(runner.spec.micro_batches * dims.gradient_replicas)  # averaged over dp x cp
         if measure:
             self.step_stats = step_stats(runner, params, self.handover.grads(), optimizers, device)
         module.log("train_loss", loss, prog_bar=True, batch_size=batch_rows(inputs))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .context_parallel import causal_mask, this_shard, whole_sequence
+
 IGNORED = -100  # a target no loss counts, as PyTorch's and Hugging Face's cross-entropy
 TOKEN_KEYS = ("input_ids", "labels", "document_ids")
 
@@ -49,19 +51,18 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) position ids that restart at 0 at each document (and at the start of each row)."""
-    index = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
-    first = torch.where(document_starts(document_ids), index, torch.zeros_like(index)).cummax(dim=1).values
-    return index - first
+    """(B, T) position ids that restart at 0 at each document (and at the start of each row). Under context parallel
+    (`document_ids`: this rank's shard of every sequence) the positions of this rank's tokens, counted over the whole
+    sequences (``contract.context_parallel``)."""
+    whole = whole_sequence(document_ids)
+    index = torch.arange(whole.shape[1], device=whole.device).expand_as(whole)
+    first = torch.where(document_starts(whole), index, torch.zeros_like(index)).cummax(dim=1).values
+    return this_shard(index - first)
 
 
 def document_causal_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """(B, 1, T, T) bool, True where a query (row) may attend to a key (column): keys up to the query, in the same
     document, and (`window`) among the last `window` positions, as a sliding-window layer. For the attention kernels'
-    own masked paths (``F.scaled_dot_product_attention(attn_mask=...)``)."""
-    pos = torch.arange(document_ids.shape[1], device=document_ids.device)
-    allowed = pos[None, :] <= pos[:, None]  # (T_query, T_key)
-    if window is not None:
-        allowed = allowed & (pos[None, :] > pos[:, None] - window)
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T_query, T_key)
-    return (same & allowed)[:, None]
+    own masked paths (``F.scaled_dot_product_attention(attn_mask=...)``). Under context parallel, this rank's
+    queries over the keys ``contract.context_parallel.attention`` gathers: one rule, ``causal_mask``'s."""
+    return causal_mask(document_ids.shape[1], document_ids.device, window, document_ids)

@@ -80,6 +80,10 @@ class PipelineHooks:
         run on shards (see ``sequence_gather``, ``sequence_parallel_norm``, ``sequence_scatter``). Raise naming the
         setting when the model cannot split by ``tensor_parallel`` (e.g. heads); a weight tied to another module
         cannot be split. See ``lightning_bfpp.layout.tensor_parallel``.
+        ``pipeline_context_parallel(layer_name, layer, context_parallel)``: needed for
+        ``BFPPStrategy(context_parallel>1)``; True for each layer that computes right on a shard of every sequence
+        (its attention through ``contract.context_parallel.attention``, its positions from ``token_positions``); a
+        layer it does not vouch for (False, or an exception saying why) is refused before launch, named.
         ``pipeline_init_weights(name, module)``: initializes one module of a model built on the meta device, on the
         ranks holding it; default ``module.reset_parameters()``.
 

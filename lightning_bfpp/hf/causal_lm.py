@@ -22,6 +22,7 @@ from ..contract.router_loss import load_balancing_loss, router_loss
 from ..contract.step_totals import active_step_totals
 from ..layout.materialize import has_meta_tensors, seeded_init
 from .checks import check_layers_reproduce, check_meta_buffers, check_router_loss
+from .context_parallel import splits_sequence
 from .layers import causal_lm_layers
 from .pretrained import HUB_KWARGS, SafetensorsWeights, build_on_meta, local_directory, stored_names
 from .routing import routed_layers, router_coef
@@ -153,6 +154,12 @@ class CausalLM(PipelineHooks, LightningModule):
         embedding and head by vocabulary; with `sequence_parallel`, norms on sequence shards between them. Override
         it to split a model otherwise."""
         return hf_layer_plan(self.hf_model, layer, tensor_parallel, sequence_parallel)
+
+    def pipeline_context_parallel(self, layer_name: str, layer: nn.Module, context_parallel: int) -> bool:
+        """Every layer runs on a shard of each sequence when the model attends through transformers' attention
+        interface: bfpp then routes it through its own attention function (``hf.context_parallel``), the model's own
+        implementation outside context parallel. Raises naming why a decoder layer cannot."""
+        return splits_sequence(self.hf_model, layer)
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed cross-entropy, counted targets): targets of -100 are ignored, and bfpp trains the mean over the

@@ -1,5 +1,6 @@
 """What a Hugging Face causal LM's own forward computes once and hands to every decoder layer (position ids,
-rotary cos/sin, causal and sliding-window masks), recomputed per micro-batch as pipeline side inputs."""
+rotary cos/sin, causal and sliding-window masks), recomputed per micro-batch as pipeline side inputs; under context
+parallel for this rank's shard of every sequence (``contract.context_parallel``)."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..contract.context_parallel import causal_mask, current, token_positions
 from ..contract.documents import document_causal_mask, document_positions, split_documents
+from .context_parallel import check_attention_routed, own_implementation
 from .layers import attention_types, base_model
 
 # attention kernels that are causal (and windowed, from the layer's own `sliding_window`) without a mask
@@ -44,11 +47,16 @@ def causal_lm_side_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
     (in the default dtype: bf16 under precision='bf16-true') and the attention mask, per attention type when
     the layers mix types (then under ``per_attention_type``, read by ``TypedDecoderLayer``). `inputs`: the input ids,
     or (input ids, document ids) of packed documents: positions then restart at each document and attention stays
-    within it (``contract.documents``)."""
+    within it (``contract.documents``). Under context parallel they are this rank's shard: positions are its tokens' in
+    the whole sequence and masks are over the keys its attention gathers (bfpp's attention function,
+    ``hf.context_parallel``, attends over them)."""
     input_ids, document_ids = split_documents(inputs)
     seq, device, dtype = input_ids.shape[1], input_ids.device, torch.get_default_dtype()
-    position_ids = (torch.arange(seq, device=device).unsqueeze(0) if document_ids is None  # (1, T)
+    position_ids = (token_positions(seq, device).unsqueeze(0) if document_ids is None  # (1, T)
                     else document_positions(document_ids))  # (B, T)
+    sharded = current() is not None
+    if sharded:
+        check_attention_routed(model)
     config = model.config
     base = base_model(model)
     rotary = getattr(base, "rotary_emb", None)
@@ -62,7 +70,10 @@ def causal_lm_side_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
             inputs["position_embeddings"] = (rotary(x, position_ids, kind) if per_type_rotary
                                              else rotary(x, position_ids))
         window = config.sliding_window if kind == "sliding_attention" else None
-        mask = attention_mask(seq, window, config._attn_implementation, dtype, device, document_ids)
+        if sharded:  # plain causal: by positions in bfpp's attention function; a window or documents: this mask
+            mask = causal_mask(seq, device, window, document_ids) if window or document_ids is not None else None
+        else:
+            mask = attention_mask(seq, window, own_implementation(model), dtype, device, document_ids)
         if mask is not None:
             inputs["attention_mask"] = mask
         per_type[kind] = inputs

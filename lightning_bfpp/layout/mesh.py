@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..schedule.dims import ParallelDims
+from ..schedule.dims import DP, DP_CP, ParallelDims
 
 # Process groups built under the current default group, by what they are: every Trainer run in a long-lived
 # process (a notebook, an in-process sweep, a benchmark running many fits) reuses them instead of creating new
@@ -40,9 +40,10 @@ def shared_group(ranks: Collection[int], timeout: timedelta | None = None) -> di
 
 def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
     """The DeviceMesh of the validated layout `dims`: its shape and dimension names (``ParallelDims.mesh_shape``,
-    ``mesh_dim_names``; dp innermost but for tp, so the ranks of one data-parallel or tensor-parallel group are
-    contiguous, one node). Its process groups get `timeout` (torch would give subgroups its 30 min default, not the
-    world's). The same layout built again in this process returns the same mesh (its groups are made once, `_once`)."""
+    ``mesh_dim_names``; dp innermost but for cp and tp, so the ranks of one context-parallel or tensor-parallel group
+    are contiguous, one node). Its process groups get `timeout` (torch would give subgroups its 30 min default, not the
+    world's). Under context parallel the parameters' mesh is built with it (``parameter_mesh``). The same layout built
+    again in this process returns the same mesh (its groups are made once, `_once`)."""
     shape, names = dims.mesh_shape, dims.mesh_dim_names
 
     def make() -> DeviceMesh:
@@ -51,7 +52,37 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None =
         grid = torch.arange(dims.world).reshape(shape)
         return DeviceMesh.from_group(_dim_groups(grid, timeout), device_type, mesh=grid, mesh_dim_names=names)
 
-    return _once(("mesh", device_type, shape, timeout), make)
+    mesh = _once(("mesh", device_type, shape, timeout), make)
+    if dims.context_parallel > 1:
+        _once(("parameter mesh", id(mesh)), lambda: _parameter_mesh(dims, mesh, timeout))
+    return mesh
+
+
+def parameter_mesh(dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh the parameters live on (``ParallelDims.parameter_mesh_dim_names``) for `mesh` (``build_mesh``'s):
+    `mesh` itself, or under context parallel a second mesh over the same ranks whose dp and cp are one dimension
+    (DP_CP): FSDP shards each stage over it, and gradients of every token are reduced over it."""
+    if dims.context_parallel == 1:
+        return mesh
+    return _once(("parameter mesh", id(mesh)), lambda: _parameter_mesh(dims, mesh, None))
+
+
+def _parameter_mesh(dims: ParallelDims, mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
+    """``parameter_mesh``, built with public APIs (``DeviceMesh.from_group``, as `build_mesh` does per dimension) from
+    `mesh`'s own pipeline and tensor-parallel groups and a new group per dp x cp set of ranks
+    (``ParallelDims.gradient_groups``; every rank creates every one, in the same order). Tensor parallel and FSDP both
+    take their dimension of it, so FSDP sees one parent mesh."""
+    shape, names = dims.parameter_mesh_shape, dims.parameter_mesh_dim_names
+    mine, _ = dist.new_subgroups_by_enumeration(dims.gradient_groups(), timeout=timeout)
+    groups = [mine if name == DP_CP else mesh[name].get_group() for name in names]
+    grid = torch.arange(dims.world).reshape(shape)
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=grid, mesh_dim_names=names)
+
+
+def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimension of a parameter mesh (``parameter_mesh``) over which gradients are reduced: dp, or dp x cp."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[DP_CP] if DP_CP in names else mesh[DP]
 
 
 def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh, device_type: str,

@@ -13,6 +13,7 @@ from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
+from .context_parallel import check_context_parallel
 from .cut import check_stage_layers, plan_stages
 from .experts import check_experts
 from .layer_cost import auto_stage_layers
@@ -35,7 +36,7 @@ class LayoutPlan:
                  micro_batches: int | None, schedule: str | None, groups: int | None, sharding: str | None,
                  reshard_after_forward: bool | None, stage_layers: Sequence[int] | Literal["auto"] | None,
                  layout: Literal["auto"] | AutoLayout | None, global_batch_size: int | None,
-                 expert_parallel: int = 1) -> None:
+                 expert_parallel: int = 1, context_parallel: int = 1) -> None:
         given = dict(pipeline_parallel=pipeline_parallel, loops=loops, micro_batches=micro_batches, groups=groups,
                      schedule=schedule, sharding=sharding, reshard_after_forward=reshard_after_forward)
         self.auto_layout = AutoLayout() if layout == "auto" else layout  # decided once the world is up (`decide`)
@@ -47,10 +48,11 @@ class LayoutPlan:
                              "optimizer step over all replicas (layout='auto' needs global_batch_size: every candidate "
                              "layout trains that same batch, each replica loading global_batch_size / data_parallel, "
                              "strategy.replica_batch_size).")
-        if self.auto_layout and (tensor_parallel != 1 or expert_parallel != 1):
-            name, value = ("tensor_parallel", tensor_parallel) if tensor_parallel != 1 else \
-                ("expert_parallel", expert_parallel)
-            raise ValueError(f"layout='auto' searches {name}=1 only; set the layout by hand for {name}={value!r}.")
+        for name, value in (("tensor_parallel", tensor_parallel), ("expert_parallel", expert_parallel),
+                            ("context_parallel", context_parallel)):
+            if self.auto_layout and value != 1:
+                raise ValueError(f"layout='auto' searches {name}=1 only; set the layout by hand for "
+                                 f"{name}={value!r}.")
         self.global_batch_size = global_batch_size
         self.decided = False  # layout="auto": decided in `decide`
         # pp = world size, decided once the world is known (layout="auto": the planner's)
@@ -67,8 +69,10 @@ class LayoutPlan:
         # Bad settings fail here, before any process starts: the layout's rules (``schedule.dims``) with the world
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
-        sizes = [s for s in (pp, tensor_parallel, expert_parallel) if isinstance(s, int)]  # the least world
-        self.dims = ParallelDims(world=math.prod(sizes), spec=spec, tensor_parallel=tensor_parallel, sharding=sharding,
+        # the least world
+        sizes = [s for s in (pp, tensor_parallel, expert_parallel, context_parallel) if isinstance(s, int)]
+        self.dims = ParallelDims(world=math.prod(sizes), spec=spec, tensor_parallel=tensor_parallel,
+                                 context_parallel=context_parallel, sharding=sharding,
                                  sequence_parallel=_given(sequence_parallel, False),
                                  expert_parallel=expert_parallel).validate()
         self.train_schedule: Schedule = build_schedule(spec)
@@ -96,9 +100,9 @@ class LayoutPlan:
         Returns the line announcing a default layout, once."""
         if not world:
             return None
-        spec, tp = self.spec, self.dims.tensor_parallel
-        if self.default_layout and world % tp == 0:
-            pp = default_pipeline_parallel(world, tp, spec.loops, num_layers, self.dims.expert_parallel)
+        spec, tp, cp = self.spec, self.dims.tensor_parallel, self.dims.context_parallel
+        if self.default_layout and world % (tp * cp) == 0:
+            pp = default_pipeline_parallel(world, tp, spec.loops, num_layers, self.dims.expert_parallel, cp)
             m = self.requested_micro_batches if self.requested_micro_batches is not None else pp
             spec = dataclasses.replace(spec, pipeline_parallel=pp, micro_batches=m)
         changed = spec != self.spec
@@ -117,6 +121,7 @@ class LayoutPlan:
                 f"data_parallel={self.dims.data_parallel}, tensor_parallel={tp}, "
                 f"{f'expert_parallel={self.dims.expert_parallel}, ' if self.dims.expert_parallel > 1 else ''}"
                 f"loops={spec.loops}, "
+                f"{f'context_parallel={cp}, ' if cp > 1 else ''}loops={spec.loops}, "
                 f"micro_batches={spec.micro_batches}, schedule={spec.name} (choose with "
                 "BFPPStrategy(pipeline_parallel=..., loops=..., micro_batches=...)).")
 
@@ -137,6 +142,8 @@ class LayoutPlan:
             layer_plans(module, layers, self.dims.tensor_parallel, self.dims.sequence_parallel)  # the model's plan
         if self.dims.expert_parallel > 1:
             check_experts(module, self.dims.expert_parallel)
+        if self.dims.context_parallel > 1:
+            check_context_parallel(module, layers, self.dims.context_parallel)  # every layer runs on a shard
         return stages
 
     def decide(self, module: Any, device: Any, world: int, devices_per_node: int, precision: str) -> str:
@@ -178,4 +185,5 @@ class LayoutPlan:
         return {"schedule": spec.name, "pipeline_parallel": spec.pipeline_parallel, "loops": spec.loops,
                 "data_parallel": self.dims.data_parallel, "tensor_parallel": self.dims.tensor_parallel,
                 "expert_parallel": self.dims.expert_parallel,
+                "context_parallel": self.dims.context_parallel,
                 "stage_layers": stage_layer_names, "stage_times_s": self.stage_times_s}

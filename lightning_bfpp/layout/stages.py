@@ -11,11 +11,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedule.dims import DP, PP, TP, ParallelDims
+from ..schedule.dims import PP, TP, ParallelDims
 from .cut import split_stages
 from .experts import distribute_experts, shard_experts
 from .fsdp import shard_stage, stage_mixed_precision
 from .materialize import init_hook, materialize
+from .mesh import gradient_mesh, parameter_mesh
 from .names import named_parts
 from .stage_module import StageModule
 from .tensor_parallel import apply_plans
@@ -48,9 +49,10 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
                 expert_mesh: DeviceMesh | None = None) -> bool:
     """Tensor parallel by the model's `plans` (before FSDP), expert parallel over `expert_mesh` (the experts split
     over its EP dimension), activation checkpointing, torch.compile per layer (`compile_layers`, after tensor
-    parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when sharded (each experts module its
-    own unit over the experts' copies, EDP). Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no
-    autocast then)."""
+    parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when sharded (over dp x cp under context
+    parallel: ``layout.mesh.parameter_mesh``; each experts module its own unit over the experts' copies, EDP).
+    Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
+    mesh = parameter_mesh(dims, mesh)
     if plans:
         apply_plans(plans, modules.values(), mesh[TP])
     experts = {}
@@ -68,6 +70,6 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
         policy = stage_mixed_precision(precision, last_stage=s == last)
         if experts.get(s):
             shard_experts(experts[s], expert_mesh, dims.data_parallel, stage_mixed_precision(precision, False))
-        shard_stage(stage, mesh[DP], policy)
+        shard_stage(stage, gradient_mesh(mesh), policy)
         stage.side_input_dtype = policy.param_dtype if policy is not None else None
     return precision == "bf16-mixed"

@@ -39,6 +39,9 @@ def step_stats(runner: Any, params: Iterable[torch.Tensor], grads: Iterable[torc
         "optimizer_bytes": optimizer_bytes(optimizers),
         "activation_peak_bytes": runner.meter.peak,
         "p2p_message_bytes": runner.message_bytes,  # one activation message (its gradient is as large)
+        # context parallel: one attention layer's all-gathered keys and values (their gradients' reduce-scatter: as
+        # many)
+        "kv_gather_bytes": runner.context.shard.stats.get("kv_gather_bytes", 0) if runner.context else 0,
         **(runner.compiled.stats() if runner.compiled is not None else {}),
     }
     memory_keys = MEMORY_KEYS

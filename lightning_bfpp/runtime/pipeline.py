@@ -15,13 +15,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._private.pipelining import build_runtime
+from ..contract.context_parallel import sharding
 from ..contract.hooks import loss_parts
 from ..contract.layer_io import BOUNDARY_RULE
 from ..contract.step_totals import StepTotals, step_totals
+from ..layout.mesh import gradient_mesh, parameter_mesh
 from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
-from ..schedule.dims import DP, PP, Names, ParallelDims, micro_batch_size
+from ..schedule.dims import CP, PP, Names, ParallelDims, micro_batch_size
+from .context_parallel import ContextParallel
 from .grad_sync import BucketedAllReduce
 from .instrument import CompileCounter, SavedActivationMeter, Timeline, local_bytes
 
@@ -101,6 +104,7 @@ class PipelineRunner:
         compiled: bool = False,
         dims: ParallelDims | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        context: ContextParallel | None = None,
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -119,6 +123,7 @@ class PipelineRunner:
         self.compiled = CompileCounter() if compiled else None  # layers compiled: graphs made per training step
         self.dims = dims  # the layout: its sequence rule is checked on every batch (None: no rule)
         self.dp_group = dp_group  # the replicas of this rank's stages: a loss's step totals are summed over it
+        self.context = context  # context parallel: this rank's share of every sequence (None: whole sequences)
         # a loss reading whole-step totals in backward needs every forward first (contract.step_totals)
         self._not_forwards_first = None if schedule.forwards_first() else (
             f"bfpp: pipeline_loss reads totals of the whole step (a router's load-balancing loss), and "
@@ -133,13 +138,18 @@ class PipelineRunner:
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
                 loss_fn: Callable[[Any, Any], torch.Tensor], dims: ParallelDims,
-                compiled: bool = False) -> PipelineRunner:
+                compiled: bool = False, say: Callable[[str], Any] = print) -> PipelineRunner:
         """A runner over the `mesh` of the layout `dims`: p2p over its pipeline group; gradients all-reduced over its
-        data-parallel group unless the stages are sharded (FSDP2 reduce-scatters them)."""
-        dp_mesh = mesh[DP]
-        replicate_group = dp_mesh.get_group() if not dims.sharded and dp_mesh.size() > 1 else None
-        dp_group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
-        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims, dp_group)
+        data-parallel (x context-parallel) group unless the stages are sharded (FSDP2 reduce-scatters them); under
+        context parallel each step runs on this rank's share of every sequence (`say` names attention's path)."""
+        grads = gradient_mesh(parameter_mesh(dims, mesh))  # dp, or dp x cp
+        replicate_group = grads.get_group() if not dims.sharded and grads.size() > 1 else None
+        dp_group = grads.get_group() if grads.size() > 1 else None
+        context = ContextParallel(mesh, device) if CP in (mesh.mesh_dim_names or ()) else None
+        if context is not None:
+            say(f"bfpp: context_parallel={dims.context_parallel}: attention by {context.attention}")
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims, dp_group,
+                   context)
 
     def _sum_over_replicas(self, t: torch.Tensor) -> None:
         if self.dp_group is not None:
@@ -185,6 +195,10 @@ class PipelineRunner:
             check_sequence_length(inputs, self.dims)
         if mode == "train":
             micro_batch_size(batch_rows(inputs), self.spec.micro_batches, _BATCH_NAMES)
+        shard = None
+        if self.context is not None:  # this rank's share of every sequence, and of the targets
+            inputs, target = self.context.split(inputs, "the inputs"), self.context.split(target, "the target")
+            shard = self.context.shard
         runtime = self._runtime(mode, inputs)
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []
@@ -197,15 +211,18 @@ class PipelineRunner:
             if mode == "train":
                 batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
                 with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext(), \
-                        step_totals(StepTotals(self._sum_over_replicas, self._not_forwards_first)):
+                        step_totals(StepTotals(self._sum_over_replicas, self._not_forwards_first)), sharding(shard):
                     out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs, **side)
             else:
-                out = runtime.step(*args, **side)
+                with sharding(shard):
+                    out = runtime.step(*args, **side)
         except Exception as error:
             if type(error).__name__ == "PipeliningMetadataError":  # torch's check of what crosses stages
                 error.add_note(f"bfpp: the first stage's arguments are pipeline_inputs(batch)[0]; {BOUNDARY_RULE}.")
             raise
         self.last_stats = self.timeline.stats(start, self.timeline.clock()) if start is not None else {}
+        if self.context is not None and (mode != "train" or keep_outputs):
+            out = self.context.whole(out)  # whole sequences for the user's step and metrics
         return out, losses
 
     def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False,

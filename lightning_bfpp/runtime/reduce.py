@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..layout.mesh import local_tensor
+from ..layout.mesh import gradient_mesh, local_tensor
 from ..layout.tensor_parallel import sum_over_tp, tp_sharded
-from ..schedule.dims import DP, PP, TP, ParallelDims
+from ..schedule.dims import PP, TP, ParallelDims
 from .pipeline import StepLoss
 
 
@@ -62,10 +62,11 @@ def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device) -> tuple[torch.Tensor, float | None]:
-    """A training step's loss on every rank, from the ranks holding the last stage (one per replica and
-    tensor-parallel rank; the others pass None): (the mean micro-batch loss averaged over replicas, None), or for
-    counted items (``StepLoss.items``) (the mean over every counted item of the global batch, their number; 0 when
-    none counts). One all-reduce over the world."""
+    """A training step's loss on every rank, from the ranks holding the last stage (one per replica, context- and
+    tensor-parallel rank; the others pass None): (the mean micro-batch loss averaged over replicas and context-parallel
+    shards, None), or for counted items (``StepLoss.items``) (the mean over every counted item of the global batch,
+    their number; 0 when none counts: each context-parallel rank counts the targets of its own shard, so summing counts
+    every target once). One all-reduce over the world."""
     t = torch.zeros(3, dtype=torch.float64, device=device)
     if loss is not None:
         t[0] = loss.value.detach().double()
@@ -75,16 +76,17 @@ def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device) 
         dist.all_reduce(t)
     total, items, counted = (t / dims.tensor_parallel).tolist()  # each tp rank holds the same loss
     if not counted:
-        return (t[0] / (dims.data_parallel * dims.tensor_parallel)).float(), None
+        return (t[0] / (dims.gradient_replicas * dims.tensor_parallel)).float(), None
     return (t[0] / dims.tensor_parallel / max(items, 1.0)).float(), items
 
 
 def clip_grad_norm_on_mesh(params: Iterable[nn.Parameter], max_norm: float, *, mesh: DeviceMesh, sharded: bool,
                            tied: Any = None) -> torch.Tensor:
-    """`clip_grad_norm_global` over the (pp, dp[, tp]) `mesh`: the pipeline group, the data-parallel group when the
-    gradients are `sharded`, the tensor-parallel group when the mesh has one; the copies of a weight shared across
-    stages (``layout.tied.TiedWeights`` `tied`) count once."""
+    """`clip_grad_norm_global` over the parameters' (pp, dp[, tp]) `mesh` (``layout.mesh.parameter_mesh``: dp x cp
+    under context parallel): the pipeline group, the data-parallel group when the gradients are `sharded`, the
+    tensor-parallel group when the mesh has one; the copies of a weight shared across stages
+    (``layout.tied.TiedWeights`` `tied`) count once."""
     not_counted = tied.not_counted() if tied is not None else set()
-    dp_group = mesh[DP].get_group() if sharded else None
+    dp_group = gradient_mesh(mesh).get_group() if sharded else None
     tp_group = mesh[TP].get_group() if TP in (mesh.mesh_dim_names or ()) else None
     return clip_grad_norm_global(params, max_norm, mesh[PP].get_group(), dp_group, not_counted, tp_group)

@@ -12,14 +12,15 @@ Examples:
 """
 
 from .cluster import Cluster, LayerTimes
-from .cost import Costs, StageCost, build_costs, message_bytes, ring_time, unit_costs
+from .cost import Costs, StageCost, build_costs, kv_gather_bytes, message_bytes, ring_time, unit_costs
 from .draw import draw_schedule
 from .memory import MemoryReport, memory_report
 from .model import Layers, Model, WireBytes
 from .simulate import MEGATRON, Event, SimOptions, SimResult, evaluate, simulate
 
 __all__ = [
-    "Cluster", "Costs", "LayerTimes", "Layers", "Model", "WireBytes", "StageCost", "build_costs", "message_bytes",
+    "Cluster", "Costs", "LayerTimes", "Layers", "Model", "WireBytes", "StageCost", "build_costs", "kv_gather_bytes",
+    "message_bytes",
     "ring_time", "unit_costs", "MemoryReport",
     "memory_report", "draw_schedule", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
 ]

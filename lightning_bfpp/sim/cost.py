@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..schedule.actions import ScheduleSpec
-from ..schedule.dims import DP, EDP, EP, ParallelDims
+from ..schedule.dims import EDP, EP, ParallelDims
 from ..schedule.stage_cut import balanced_stage_layers
 from .cluster import Cluster
-from .model import Layers, Model, WireBytes
+from .model import ACT_BYTES, Layers, Model, WireBytes
 
 # Bytes per parameter (mixed precision, Adam): fp32 master (4) + fp32 grad (4) + Adam m, v (8) held per
 # rank (divided by dp under full sharding), plus bf16 compute weights (2) while a stage is gathered and a
@@ -80,12 +80,12 @@ class Costs:
     stages: list[StageCost]
     p2p: dict[tuple[int, int], float] = field(default_factory=dict)
     sharding: str = "full"  # full: FSDP (gathered weights transient) | none: replicated weights
-    data_parallel: int = 1
-    tokens_per_step: int = 0  # per data-parallel replica
+    data_parallel: int = 1  # ranks sharing each parameter's state and gradient: dp, x cp under context parallel
+    tokens_per_step: int = 0  # per data-parallel replica (whole sequences)
     device_memory: float = float("inf")
     flops_per_token: float = 0.0
     step_overhead: float = 0.0  # host seconds per step and rank outside the actions (runtime start and end)
-    tensor_parallel: int = 1  # devices per pipeline rank of a replica
+    tensor_parallel: int = 1  # devices per pipeline rank of a replica: tp x cp
     p2p_inter: frozenset = frozenset()  # links (src, dst) between nodes (they share the sender's interface)
 
     def p2p_time(self, src: int, dst: int) -> float:
@@ -121,6 +121,7 @@ def build_costs(
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
     expert_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> Costs:
     """Per-stage costs of `model` (its `Layers`, or a transformer `Model` that describes them) cut into
     pipeline_parallel*loops stages on a (pp, dp, tp) mesh of `cluster`.
@@ -134,22 +135,26 @@ def build_costs(
     rank's sequence shard (Korthikanti et al. 2022: the boundary tensor is sequence-split). With `expert_parallel`
     (ep consecutive data-parallel ranks) each rank gathers 1/ep of the experts over the dp / ep copies, and the
     tokens cross the ep group in all-to-alls (``a2a_time``) on the compute's critical path unless the simulator
-    overlaps them (``SimOptions.expert_overlap``).
+    overlaps them (``SimOptions.expert_overlap``). Context parallel (cp, between dp and tp) gives each rank 1/cp of
+    every sequence: its compute, activations and messages shrink, each attention layer all-gathers keys and values
+    over the cp group in forward and reduce-scatters their gradients in backward (on the compute's critical path,
+    in-node when cp x tp ranks fit a node), and gradients reduce over dp x cp.
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}.")
-    pp, dp, tp = pipeline_parallel, data_parallel, tensor_parallel
+    pp, dp, tp, cp = pipeline_parallel, data_parallel, tensor_parallel, context_parallel
     if cluster.devices % tp:
         raise ValueError(f"tensor_parallel={tp} must divide the {cluster.devices} devices of a node.")
     num_stages = pp * loops
-    dims = ParallelDims(world=pp * dp * tp, spec=ScheduleSpec(pipeline_parallel=pp, loops=loops), tensor_parallel=tp,
-                        expert_parallel=expert_parallel)
-    layers = model if isinstance(model, Layers) else model.layers(cluster, tp, sequence_parallel)
+    dims = ParallelDims(world=pp * dp * cp * tp, spec=ScheduleSpec(pipeline_parallel=pp, loops=loops),
+                        tensor_parallel=tp, context_parallel=cp, expert_parallel=expert_parallel)
+    layers = model if isinstance(model, Layers) else model.layers(cluster, tp, sequence_parallel, cp)
     if expert_parallel > 1 and (layers.expert_params is None or dp % expert_parallel):
         raise ValueError(f"expert_parallel={expert_parallel} needs a model with experts and data_parallel={dp} "
                          "divisible by it.")
-    if layers.tensor_parallel != tp:
-        raise ValueError(f"layers are per rank of tensor_parallel={layers.tensor_parallel}, not {tp}.")
+    if layers.tensor_parallel != tp or layers.context_parallel != cp:
+        raise ValueError(f"layers are per rank of tensor_parallel={layers.tensor_parallel}, context_parallel="
+                         f"{layers.context_parallel}, not {tp}, {cp}.")
     if stage_layers is None:
         counts = _stage_counts(layers.params, num_stages)
     else:
@@ -162,26 +167,38 @@ def build_costs(
     for s, n in enumerate(counts):
         span = range(start, start + n)
         first = dims.rank(s % pp, 0)
-        stage = _stage_cost(layers, cluster, span, dims.group(DP, first), micro_batch_size, sharding,
-                            (dims.group(EP, first), dims.group(EDP, first)))
+        stage = _stage_cost(layers, cluster, span, dims.gradient_group(first), micro_batch_size, sharding,
+                            (dims.group(EP, first), dims.group(EDP, first)), _cp_link(cluster, tp, cp))
         stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),
                               weight_fraction=1.0 if s == 0 else stage.weight_fraction))  # torch: no I on the first
         start += n
-    tokens = micro_batch_size * layers.seq
+    tokens = micro_batch_size * layers.seq * cp  # whole sequences
     p2p, inter_links = _p2p_links(cluster, dims, message)
-    return Costs(stages, p2p, sharding, dp, tokens * micro_batches, cluster.device_memory, layers.flops_per_token,
-                 cluster.step_overhead, tp, inter_links)
+    return Costs(stages, p2p, sharding, dims.gradient_replicas, tokens * micro_batches, cluster.device_memory,
+                 layers.flops_per_token, cluster.step_overhead, tp * cp, inter_links)
 
 
 def message_bytes(layers: Layers, micro_batch_size: int, tensor_parallel: int = 1, sequence_parallel: bool = False,
                   activation_bytes: int | None = None) -> float:
     """Bytes of one activation message between pipeline stages (its gradient is as large), per tp rank: the
-    micro-batch's tokens x width, whole on every tp rank, or (sequence parallel) each rank's 1/tp of the sequence.
+    micro-batch's tokens x width (`layers.seq`: under context parallel each rank's 1/cp of the sequence), whole on every
+    tp rank, or (sequence parallel) each rank's 1/tp of that.
     `activation_bytes` per element (None: the layers' ``wire.messages``). The runtime reports what it sends as
     ``step_stats["p2p_message_bytes"]``."""
     element = layers.wire.messages if activation_bytes is None else activation_bytes
     shards = tensor_parallel if sequence_parallel and tensor_parallel > 1 else 1
     return element * micro_batch_size * layers.seq * layers.width / shards
+
+
+def kv_gather_bytes(layers: Layers, micro_batch_size: int, activation_bytes: int | None = None) -> float:
+    """Bytes of one attention layer's keys and values that the context-parallel all-gather assembles on each rank for
+    one micro-batch (the whole sequence's, of this tp rank's heads); the backward reduce-scatters as many. Per
+    element `activation_bytes` (None: the layers' ``wire.messages``). The runtime reports what it gathers as
+    ``step_stats["kv_gather_bytes"]``."""
+    if not layers.cp_comm:
+        return 0.0
+    element = layers.wire.messages if activation_bytes is None else activation_bytes
+    return max(b for _, b, _, _ in layers.cp_comm) / ACT_BYTES * element * micro_batch_size
 
 
 def _weight_pass_bytes(layers: Layers, span: range, micro_batch_size: int, message: float) -> float:
@@ -202,12 +219,22 @@ def a2a_time(nbytes: float, group: int, bandwidth: float, latency: float) -> flo
     return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
 
 
+def _cp_link(cluster: Cluster, tensor_parallel: int, context_parallel: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a context-parallel group's collectives: its cp ranks are tp apart in cp x tp
+    consecutive ranks, in-node when those fit a node."""
+    if context_parallel * tensor_parallel <= cluster.devices:
+        return (cluster.collective_bw or cluster.intra_bw,
+                cluster.latency if cluster.intra_latency is None else cluster.intra_latency)
+    return cluster.inter_bw, cluster.latency
+
+
 def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int], micro_batch_size: int,
-                sharding: str, experts: tuple[list[int], list[int]] = ([0], [0])) -> StageCost:
+                sharding: str, experts: tuple[list[int], list[int]] = ([0], [0]),
+                cp_link: tuple[float, float] = (1.0, 0.0)) -> StageCost:
     """One stage (layers `span`) for one micro-batch: compute from calibrated layer times or FLOPs (recomputation
-    repeats the forward), tp collectives, dp collectives over its data-parallel `group` (global ranks); with expert
-    parallel (`experts`: its expert-parallel group and the experts' copies), the experts' share gathered over the
-    copies and their all-to-alls."""
+    repeats the forward), tp and cp collectives (on the compute's critical path), dp collectives over its gradient
+    `group` (global ranks: dp, x cp under context parallel); with expert parallel (`experts`: its expert-parallel
+    group and the experts' copies), the experts' share gathered over the copies and their all-to-alls."""
     mbs, recompute = micro_batch_size, 1.0 if layers.recompute else 0.0
     p = sum(layers.params[i] for i in span)
     ep_group, copies = experts
@@ -221,8 +248,9 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int],
         fwd = sum(layers.forward_flops[i] for i in span) * mbs * layers.seq / cluster.flops
         bwd = (cluster.backward_factor + recompute) * fwd
     tp_fwd, tp_bwd = _tp_times(layers, cluster, mbs)
-    fwd_tp = sum(tp_fwd[i] for i in span)
-    bwd_tp = sum(tp_bwd[i] for i in span) + recompute * fwd_tp
+    cp_fwd, cp_bwd = _cp_times(layers, mbs, *cp_link)
+    fwd_tp = sum(tp_fwd[i] + cp_fwd[i] for i in span)
+    bwd_tp = sum(tp_bwd[i] + cp_bwd[i] for i in span) + recompute * fwd_tp
     dp = len(group)
     bw, lat = cluster.group_bandwidth(group), cluster.latency
     wire = layers.wire
@@ -274,6 +302,17 @@ def _tp_times(layers: Layers, cluster: Cluster, micro_batch_size: int) -> tuple[
     lat = cluster.latency if cluster.intra_latency is None else cluster.intra_latency
     one = lambda count, nbytes: count * 2 * (t - 1) * lat + 2 * (t - 1) / t * nbytes * micro_batch_size / bw  # noqa: E731
     return [one(c, b) for c, b, _, _ in layers.tp_comm], [one(c, b) for _, _, c, b in layers.tp_comm]
+
+
+def _cp_times(layers: Layers, micro_batch_size: int, bandwidth: float,
+              latency: float) -> tuple[list[float], list[float]]:
+    """Seconds of each layer's context-parallel collectives (forward all-gather of keys and values, backward
+    reduce-scatter of their gradients) for one micro-batch: ring volume (cp-1)/cp x the gathered bytes."""
+    c = layers.context_parallel
+    if c == 1 or not layers.cp_comm:
+        return [0.0] * len(layers), [0.0] * len(layers)
+    one = lambda count, nbytes: count * ring_time(nbytes * micro_batch_size, c, bandwidth, latency)  # noqa: E731
+    return [one(n, b) for n, b, _, _ in layers.cp_comm], [one(n, b) for _, _, n, b in layers.cp_comm]
 
 
 def unit_costs(num_stages: int, pipeline_parallel: int, *, forward: float = 1.0, backward: float = 2.0,

@@ -38,10 +38,10 @@ class Layers:
     params: parameters per layer (`expert_params` of them a mixture's experts, split by expert parallel, whose
     tokens cross ranks in all-to-alls of `a2a_bytes` per sample: four per MoE layer and micro-batch, dispatch and
     combine in forward and their gradients in backward). forward_flops: forward FLOPs per token per layer.
-    activation_bytes: bytes a layer saves for backward per sample of a micro-batch. seq: tokens per sample. width:
-    elements per token sent between stages. recompute: activation checkpointing (backward repeats the forward). times:
-    measured
-    (forward, backward) seconds per layer per sample, or None (FLOPs / the cluster's achieved FLOP/s).
+    activation_bytes: bytes a layer saves for backward per sample of a micro-batch. seq: tokens per sample (per rank:
+    under context parallel each rank's 1/cp of the sequence). width: elements per token sent between stages.
+    recompute: activation checkpointing (backward repeats the forward). times: measured (forward, backward) seconds
+    per layer per sample, or None (FLOPs / the cluster's achieved FLOP/s).
     tensor_parallel: the tp group these numbers are per rank of (params, FLOPs, activations already / tp).
     tp_comm: per layer, the tensor-parallel collectives of one sample (forward count, forward bytes, backward
     count, backward bytes), bytes as all-reduce volume (an all-gather or a reduce-scatter counts half).
@@ -50,7 +50,10 @@ class Layers:
     and messages the step moves (the run's precision). weight_grad_bytes: per layer, bytes per sample that a split
     backward's input-gradient pass keeps for its weight-gradient pass (the gradients of the outputs of the layer's
     parameter-owning modules: torch keeps them where the paths to the inputs and to the weights part), or None
-    (unknown: zero bubble's memory is then a lower bound).
+    (unknown: zero bubble's memory is then a lower bound). context_parallel: the ranks sharing each sequence
+    (`seq` is one rank's share; FLOPs per token still count attention over the whole sequence). cp_comm: per layer,
+    the context-parallel collectives of one sample (forward count, forward bytes, backward count, backward bytes), bytes
+    as the all-gathered (or reduce-scattered) tensor's full size: attention's keys and values.
     """
 
     params: tuple[int, ...]
@@ -67,6 +70,8 @@ class Layers:
     weight_grad_bytes: tuple[float, ...] | None = None
     expert_params: tuple[int, ...] | None = None  # of `params`, a mixture of experts' experts (expert parallel splits)
     a2a_bytes: tuple[float, ...] | None = None  # per layer and sample: bytes of one all-to-all (dispatch or combine)
+    context_parallel: int = 1
+    cp_comm: tuple[tuple[int, float, int, float], ...] | None = None
 
     def __len__(self) -> int:
         return len(self.params)
@@ -145,9 +150,11 @@ class Model:
         block_experts = self._mlp_params()[1] // tensor_parallel
         return [0] + [block_experts] * self.n_layer + [0]
 
-    def layer_a2a_bytes(self) -> list[float]:
-        """Bytes of one of a MoE block's all-to-alls per sample: each token's top_k copies of its activation."""
-        return [0.0] + [float(ACT_BYTES * self.seq * self.top_k * self.n_embd)] * self.n_layer + [0.0]
+    def layer_a2a_bytes(self, context_parallel: int = 1) -> list[float]:
+        """Bytes of one of a MoE block's all-to-alls per sample: each of this rank's tokens' top_k copies of its
+        activation (under context parallel a rank holds 1/cp of the tokens)."""
+        tokens = self.seq // context_parallel
+        return [0.0] + [float(ACT_BYTES * tokens * self.top_k * self.n_embd)] * self.n_layer + [0.0]
 
     def layer_forward_flops(self, tensor_parallel: int = 1) -> list[float]:
         """Forward FLOPs per token per layer (per tp rank): 2 x params for matmuls, plus 4*seq*h for attention
@@ -156,39 +163,45 @@ class Model:
         block = (2 * (4 * h * h + self._mlp_active()) + 4 * s * h) / t
         return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h / t]
 
-    def _block_activation(self, b: int, t: int, sp: bool) -> float:
+    def _block_activation(self, b: int, t: int, sp: bool, cp: int = 1) -> float:
         """Korthikanti et al. 2022 (bf16, dropout): s*b*h*(34 + 5as/h) per block; with tp t, the split
-        layers' part / t (10 + 24/t + 5as/(ht)); with sequence parallel too, everything / t."""
+        layers' part / t (10 + 24/t + 5as/(ht)); with sequence parallel too, everything / t. With context parallel
+        cp each rank holds s/cp tokens, its scores are (s/cp) x s, and attention keeps the keys and values of the
+        whole sequence (2 x 2sbh/t, of which the formula counts this rank's s/cp)."""
         h, s, a = self.n_embd, self.seq, self.n_head
         mlp = self._mlp_active() / (8.0 * h * h)  # a mixture's MLP part (19 of the 34) by the weights a token meets
+        q = s / cp  # this rank's tokens
+        gathered = 4 * (s - q) * b * h / t  # the other ranks' keys and values (bf16), saved for backward
         if sp:
-            return s * b * h * ((15 + 19 * mlp) / t + 5 * a * s / (h * t))
-        return s * b * h * (10 + (5 + 19 * mlp) / t + 5 * a * s / (h * t))
+            return q * b * h * ((15 + 19 * mlp) / t + 5 * a * s / (h * t)) + gathered
+        return q * b * h * (10 + (5 + 19 * mlp) / t + 5 * a * s / (h * t)) + gathered
 
     def layer_activation_bytes(self, micro_batch_size: int, tensor_parallel: int = 1,
-                               sequence_parallel: bool = False) -> list[float]:
+                               sequence_parallel: bool = False, context_parallel: int = 1) -> list[float]:
         """Saved activations per micro-batch and tp rank: the block formula, or its input only (2*s*b*h, / tp
         with sequence parallel) with activation checkpointing; the head keeps bf16 + fp32 logits, whole (the
-        runtime gathers them over tp before the loss)."""
-        h, s, b, t = self.n_embd, self.seq, micro_batch_size, tensor_parallel
+        runtime gathers them over tp before the loss). Under context parallel, of this rank's 1/cp of the sequence
+        (attention's gathered keys and values aside)."""
+        h, b, t, cp = self.n_embd, micro_batch_size, tensor_parallel, context_parallel
+        s = self.seq / cp
         edge = ACT_BYTES * s * b * h / (t if sequence_parallel else 1)
-        block = edge if self.checkpointing else self._block_activation(b, t, sequence_parallel)
+        block = edge if self.checkpointing else self._block_activation(b, t, sequence_parallel, cp)
         return [float(edge)] + [float(block)] * self.n_layer + [float(s * b * self.vocab * 6)]
 
     def layer_weight_grad_bytes(self, micro_batch_size: int, tensor_parallel: int = 1,
-                                sequence_parallel: bool = False) -> list[float]:
+                                sequence_parallel: bool = False, context_parallel: int = 1) -> list[float]:
         """What a split backward keeps from each layer's input-gradient pass for its weight pass, per micro-batch
         and tp rank: the gradients of the outputs of its weight-owning modules (measured on examples/gpt.py, 11h per
         token per block). A block: q, k, v and fc (7h, column-split / tp), proj and fc2 (2h, whole: each rank's
         partial sum), two layer norms (2h, / tp with sequence parallel); the head: its norm and the logits (vocab /
         tp); the embedding: nothing (torch skips the first stage's input pass)."""
-        h, s, b, t = self.n_embd, self.seq, micro_batch_size, tensor_parallel
+        h, s, b, t = self.n_embd, self.seq / context_parallel, micro_batch_size, tensor_parallel
         norm = h / (t if sequence_parallel else 1)
         unit = ACT_BYTES * s * b
         block = unit * (7 * h / t + 2 * h + 2 * norm)
         return [0.0] + [float(block)] * self.n_layer + [float(unit * (norm + self.vocab / t))]
 
-    def layer_tp_comm(self, tensor_parallel: int) -> list[tuple[int, float, int, float]]:
+    def layer_tp_comm(self, tensor_parallel: int, context_parallel: int = 1) -> list[tuple[int, float, int, float]]:
         """Tensor-parallel collectives per sample (Megatron-style splits, as examples/gpt.py's plan): a block
         all-reduces its activation twice in forward (after attention and MLP) and twice in backward (their
         inputs' gradients); with sequence parallel each becomes an all-gather + reduce-scatter, the same volume.
@@ -196,37 +209,50 @@ class Model:
         all-reduces its input's gradient (backward)."""
         if tensor_parallel == 1:
             return [(0, 0.0, 0, 0.0)] * self.num_layers
-        act = float(ACT_BYTES * self.seq * self.n_embd)
-        logits = float(ACT_BYTES * self.seq * self.vocab)
+        act = float(ACT_BYTES * self.seq / context_parallel * self.n_embd)
+        logits = float(ACT_BYTES * self.seq / context_parallel * self.vocab)
         return [(1, act, 0, 0.0)] + [(2, 2 * act, 2, 2 * act)] * self.n_layer + [(1, logits / 2, 1, act)]
 
-    def layer_times(self, cluster: Cluster, micro_batch_size: int,
-                    tensor_parallel: int = 1) -> list[tuple[float, float]] | None:
+    def layer_cp_comm(self, tensor_parallel: int = 1, context_parallel: int = 1) -> list[tuple[int, float, int, float]]:
+        """Context-parallel collectives per sample and tp rank: a block all-gathers its attention's keys and values
+        over the cp group in forward (one collective of both: 2 x the whole sequence's s x h / tp, bf16) and
+        reduce-scatters their gradients in backward (as large); the embedding and head mix no tokens. Bytes as the
+        gathered tensor's full size (``cost.ring_time``'s)."""
+        if context_parallel == 1:
+            return [(0, 0.0, 0, 0.0)] * self.num_layers
+        kv = float(2 * ACT_BYTES * self.seq * self.n_embd / tensor_parallel)
+        return [(0, 0.0, 0, 0.0)] + [(1, kv, 1, kv)] * self.n_layer + [(0, 0.0, 0, 0.0)]
+
+    def layer_times(self, cluster: Cluster, micro_batch_size: int, tensor_parallel: int = 1,
+                    context_parallel: int = 1) -> list[tuple[float, float]] | None:
         """Measured (forward, backward) seconds per layer from `cluster.layer_times` when they were taken on
-        a model of this shape, scaled linearly from the calibrated micro-batch size (and / tp); else None."""
+        a model of this shape, scaled linearly from the calibrated micro-batch size (and / tp, / cp); else None."""
         lt = cluster.layer_times
         if lt is None or lt.shape != (self.n_head, self.n_embd, self.seq, self.vocab):
             return None
-        k = micro_batch_size / lt.micro_batch_size / tensor_parallel
+        k = micro_batch_size / lt.micro_batch_size / tensor_parallel / context_parallel
         scale = lambda fb: (fb[0] * k, fb[1] * k)  # noqa: E731
         return [scale(lt.embedding)] + [scale(lt.block)] * self.n_layer + [scale(lt.head)]
 
     def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1,
-               sequence_parallel: bool = False) -> Layers:
-        """These layers as the cost model's data, per tp rank (per-sample activations; `cluster`'s calibrated
-        layer times when they were taken on this shape)."""
-        t, sp = tensor_parallel, sequence_parallel and tensor_parallel > 1
+               sequence_parallel: bool = False, context_parallel: int = 1) -> Layers:
+        """These layers as the cost model's data, per tp rank and, under context parallel, per rank's 1/cp of the
+        sequence (per-sample activations; `cluster`'s calibrated layer times when they were taken on this shape)."""
+        t, sp, cp = tensor_parallel, sequence_parallel and tensor_parallel > 1, context_parallel
         if self.n_head % t or self.vocab % t:
             raise ValueError(f"tensor_parallel={t} must divide n_head={self.n_head} and vocab_size={self.vocab}.")
-        times = self.layer_times(cluster, 1, t) if cluster is not None else None
+        if self.seq % (2 * cp if cp > 1 else 1):
+            raise ValueError(f"context_parallel={cp}: the sequence ({self.seq}) must divide by 2 x cp = {2 * cp}.")
+        times = self.layer_times(cluster, 1, t, cp) if cluster is not None else None
         full = replace(self, checkpointing=False)  # un-checkpointed activations
         return Layers(tuple(self.layer_params(t)), tuple(self.layer_forward_flops(t)),
-                      tuple(self.layer_activation_bytes(1, t, sp)), self.seq, self.n_embd, self.checkpointing,
-                      tuple(times) if times else None, t, tuple(self.layer_tp_comm(t)),
-                      tuple(full.layer_activation_bytes(1, t, sp)),
-                      weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp)),
+                      tuple(self.layer_activation_bytes(1, t, sp, cp)), self.seq // cp, self.n_embd,
+                      self.checkpointing, tuple(times) if times else None, t, tuple(self.layer_tp_comm(t, cp)),
+                      tuple(full.layer_activation_bytes(1, t, sp, cp)),
+                      weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp, cp)), context_parallel=cp,
+                      cp_comm=tuple(self.layer_cp_comm(t, cp)),
                       expert_params=tuple(self.layer_expert_params(t)) if self.n_experts else None,
-                      a2a_bytes=tuple(self.layer_a2a_bytes()) if self.n_experts else None)
+                      a2a_bytes=tuple(self.layer_a2a_bytes(cp)) if self.n_experts else None)
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (``training_flops_per_token``): for MFU and tokens per second."""

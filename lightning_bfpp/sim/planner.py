@@ -1,4 +1,4 @@
-"""Search the layouts of a model on a cluster for one global batch size — (pp, dp, tp), loops,
+"""Search the layouts of a model on a cluster for one global batch size — (pp, dp, cp, tp), loops,
 micro-batch count and size, schedule (incl. breadth-first groups), sharding and reshard policy, and for a mixture of
 experts the expert-parallel size — by
 simulating each one, drop those that do not fit in device memory, and rank the rest by tokens/s."""
@@ -50,6 +50,12 @@ class Candidate:
     residency: str = "step"  # cost model only unless "step": FSDP weight residency (sim/residency.py)
     cache: int = 0  # stages kept gathered under residency="cache"
     expert_parallel: int = 1  # data-parallel ranks splitting each MoE layer's experts
+    context_parallel: int = 1  # ranks sharing every sequence (each holds 1/cp of it)
+
+    @property
+    def gradient_replicas(self) -> int:
+        """Ranks sharing each parameter's state and gradient: dp x cp."""
+        return self.data_parallel * self.context_parallel
 
     def spec(self) -> ScheduleSpec:
         return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
@@ -58,9 +64,10 @@ class Candidate:
 
     def dims(self, devices_per_node: int | None = None) -> ParallelDims:
         """The layout as the runtime checks it (the cost-model-only sharding "optimizer" aside)."""
-        return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.tensor_parallel, spec=self.spec(),
-                            tensor_parallel=self.tensor_parallel, devices_per_node=devices_per_node,
-                            expert_parallel=self.expert_parallel)
+        return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.context_parallel
+                            * self.tensor_parallel, spec=self.spec(), tensor_parallel=self.tensor_parallel,
+                            context_parallel=self.context_parallel, devices_per_node=devices_per_node,
+                            sequence_parallel=self.sequence_parallel, expert_parallel=self.expert_parallel)
 
     def overrides(self, *, cluster: str | None = None, model: str | None = None,
                   batch_size: int | None = None) -> list[str]:
@@ -77,6 +84,7 @@ class Candidate:
         ]
         out += ["schedule.sequence_parallel=true"] if self.sequence_parallel else []
         out += [f"schedule.expert_parallel={self.expert_parallel}"] if self.expert_parallel > 1 else []
+        out += [f"schedule.context_parallel={self.context_parallel}"] if self.context_parallel > 1 else []
         out += [f"model={model}"] if model else []
         out += [f"cluster={cluster}"] if cluster else []
         out += [f"data.batch_size={batch_size}"] if batch_size else []
@@ -131,9 +139,11 @@ def candidates(
     sequence_parallels: Sequence[bool] = (False, True),
     residencies: Sequence[str] = RESIDENCIES,
     expert_parallels: Sequence[int] = (1,),
+    context_parallels: Sequence[int] = (1,),
 ) -> Iterable[Candidate]:
-    """Every legal layout using the whole cluster (world = pp * dp * tp, tp dividing a node's devices and the
-    model's heads; `tensor_parallels` None: all such tp). pp=1 is plain FSDP/DDP with
+    """Every legal layout using the whole cluster (world = pp * dp * cp * tp, tp dividing a node's devices and the
+    model's heads; `tensor_parallels` None: all such tp; `context_parallels`: the cp sizes to try beside them, each
+    splitting every sequence into 2 x cp chunks, so cp must leave the sequence divisible). pp=1 is plain FSDP/DDP with
     gradient accumulation over the micro-batches (1f1b: forward/backward alternate; gpipe: all forwards
     first); with loops > 1 the model is cut into `loops` FSDP units, and breadth_first runs each unit for
     all micro-batches of a group before the next (weights gathered once per group).
@@ -144,13 +154,15 @@ def candidates(
     model's experts)."""
     world = cluster.world_size
     tps = [t for t in (tensor_parallels or divisors(cluster.devices)) if model.n_head % t == 0 and model.vocab % t == 0]
-    for tp, pp in ((t, p) for t in tps for p in divisors(world // t)):
+    for tp, cp, pp in ((t, c, p) for t in tps for c in context_parallels if world % (t * c) == 0
+                       for p in divisors(world // (t * c))):
         if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world):
             continue
         try:  # the layout's own rules (schedule.dims): tp within a node, a layer per rank, the batch over dp
-            dims = ParallelDims(world=world, devices_per_node=cluster.devices, tensor_parallel=tp,
+            dims = ParallelDims(world=world, devices_per_node=cluster.devices, tensor_parallel=tp, context_parallel=cp,
                                 spec=ScheduleSpec(pipeline_parallel=pp)).validate(num_layers=model.num_layers,
-                                                                                  global_batch=batch_size)
+                                                                                  global_batch=batch_size,
+                                                                                  sequence=model.seq)
         except ScheduleError:
             continue
         dp, replica = dims.data_parallel, batch_size // dims.data_parallel
@@ -162,11 +174,13 @@ def candidates(
                 for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
                     for (raf, residency, cache), ep in ((v, e) for v in _fsdp_variants(sharding, lp, residencies)
                                                         for e in expert_parallels):
-                        if ep > 1 and (not model.n_experts or model.n_experts % ep):
-                            continue
-                        c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache, ep)
+                        if ep > 1 and (not model.n_experts or model.n_experts % ep or cp > 1):
+                            continue  # expert parallel needs experts it divides, and no context parallel (yet)
+                        c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache,
+                                      expert_parallel=ep, context_parallel=cp)
                         try:
-                            c.dims(cluster.devices).validate(num_layers=model.num_layers, global_batch=batch_size)
+                            c.dims(cluster.devices).validate(num_layers=model.num_layers, global_batch=batch_size,
+                                                             sequence=model.seq)
                         except ScheduleError:
                             continue
                         yield c
@@ -202,7 +216,8 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
     return build_costs(model, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
                        data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
                        micro_batches=c.micro_batches, sharding=c.sharding, tensor_parallel=c.tensor_parallel,
-                       sequence_parallel=c.sequence_parallel, expert_parallel=c.expert_parallel)
+                       sequence_parallel=c.sequence_parallel, expert_parallel=c.expert_parallel,
+                       context_parallel=c.context_parallel)
 
 
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
@@ -220,7 +235,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     for rank in range(pp):
         local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
         params = sum(st.params for st in local)
-        state = state_bytes(params, c.sharding, c.data_parallel, sum(st.gathered_params for st in local))
+        state = state_bytes(params, c.sharding, c.gradient_replicas, sum(st.gathered_params for st in local))
         act = sum(st.activation for st in local)
         if c.schedule in ("gpipe", "breadth_first"):
             live = c.micro_batches // c.groups * act
@@ -238,7 +253,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
 def _family(c: Candidate) -> tuple:
     """A candidate up to its memory-for-speed knobs (groups, reshard after forward, residency)."""
     return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding,
-            c.tensor_parallel, c.sequence_parallel, c.expert_parallel)
+            c.tensor_parallel, c.sequence_parallel, c.expert_parallel, c.context_parallel)
 
 
 def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
@@ -263,7 +278,7 @@ def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
     model_split = c.pipeline_parallel * c.tensor_parallel  # a replica's ways of cutting the model
     local_params = sum(model.layer_params()) / model_split
     experts_elsewhere = sum(model.layer_expert_params()) * (1 - 1 / c.expert_parallel) / model_split
-    return state_bytes(local_params, c.sharding, c.data_parallel, local_params - experts_elsewhere) \
+    return state_bytes(local_params, c.sharding, c.gradient_replicas, local_params - experts_elsewhere) \
         < cluster.usable_memory
 
 
@@ -301,7 +316,7 @@ def search(
         costs = candidate_costs(model, cluster, c)
         if not include_unfit and (memory_lower_bound(c, costs) > cluster.usable_memory or
                                   costs.tokens_per_step / step_time_lower_bound(c, costs)
-                                  / (c.pipeline_parallel * c.tensor_parallel) < bar):
+                                  / (c.pipeline_parallel * c.tensor_parallel * c.context_parallel) < bar):
             continue
         r = simulate(candidate_schedule(c), costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
@@ -325,17 +340,17 @@ def search(
 
 
 def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
-    head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'tp':>3} {'ep':>3} {'loops':>5} {'m':>4} {'mbs':>4} "
-            f"{'grp':>3} "
-            f"{'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} {'mem GB':>8} {'bubble':>7} "
-            f"{'exp.comm ms':>11}")
+    head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'cp':>3} {'tp':>3} {'ep':>3} {'loops':>5} {'m':>4} "
+            f"{'mbs':>4} {'grp':>3} {'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} "
+            f"{'mem GB':>8} {'bubble':>7} {'exp.comm ms':>11}")
     rows = [head, "-" * len(head)]
     for i, p in enumerate(plans[:limit], 1):
         c = p.candidate
         bubble = "" if p.bubble is None else f"{p.bubble:.3f}"
         exposed = "" if p.exposed_comm is None else f"{p.exposed_comm * 1e3:.1f}"
         rows.append(
-            f"{i:>3} {c.schedule:<16} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.tensor_parallel:>3}"
+            f"{i:>3} {c.schedule:<16} {c.pipeline_parallel:>3} {c.data_parallel:>4} {c.context_parallel:>3} "
+            f"{c.tensor_parallel:>3}"
             f"{'s' if c.sequence_parallel else ' '}{c.expert_parallel:>3}{c.loops:>5} {c.micro_batches:>4} "
             f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
             f"{c.residency + (str(c.cache) if c.cache else ''):<6} "

@@ -63,7 +63,7 @@ class SimResult:
     tokens_per_step: int  # per replica
     pipeline_bubble: float | None = None  # bubble of the same step with free communication
     comm_free_step_time: float | None = None
-    tensor_parallel: int = 1  # devices per simulated pipeline rank
+    tensor_parallel: int = 1  # devices per simulated pipeline rank (tp x cp)
 
     @property
     def bubble(self) -> float:

@@ -221,6 +221,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         """The start of every loop (the validation, test and predict loops' hooks are this one)."""
+        self._training.forget_parameters()
         self._job.claim_signals()  # Lightning installs its SIGTERM handler after setup_environment: the watchdog's
         self._check_batch = True  # go back on top; the loop's first batch is compared across a replica's ranks
 

@@ -15,7 +15,8 @@ precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (
 (that local rank sleeps before its process group exists), meta (true: built on the meta device by
 trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
 (StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer), counted
-(about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)).
+(about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)), timeline_trace (PipelineTrace of the
+last step into OUT_DIR/cfg<i>/traces; its files in the record's "traces" on rank 0).
 Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
 gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
 "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -37,7 +38,7 @@ from exact_model import LateStackNet, StackNet, loader
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_bfpp import BFPPStrategy
+from lightning_bfpp import BFPPStrategy, PipelineTrace
 
 
 class Record(Callback):
@@ -166,6 +167,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]
+    if cfg.get("timeline_trace"):  # the last step's Chrome trace and picture (PipelineTrace) in OUT_DIR/traces
+        callbacks.append(PipelineTrace(out / "traces", count=1, skip=cfg.get("steps", 3) - 1))
     if cfg.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}",
                                          every_n_train_steps=cfg["save_every"], save_top_k=-1))
@@ -210,7 +213,9 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     torch.save(
         {"params": params, "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}, "local_shapes": local,
          "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history,
-         "stats": strategy.step_stats, "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes),
+         "stats": strategy.step_stats, "fsdp_trace": record.events,
+         "traces": [str(p) for c in callbacks if isinstance(c, PipelineTrace) for p in c.written],
+         "dtypes": _dtypes(strategy, record.grad_dtypes),
          **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__,
          "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)]},
         out / f"rank{trainer.global_rank}.pt",

@@ -109,7 +109,7 @@ def no_p2p_warmup_to_itself(stage: PipelineStage) -> None:
 
 def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, Any], None],
                        enabled: Callable[[], bool], clock: Callable[[], Any] = time.perf_counter) -> None:
-    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"/"W"; the clock before and after) around each
+    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"/"I"/"W"; the clock before and after) around each
     forward, backward (or its input-gradient part) and weight-gradient part the runtime runs on `stage` while
     ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
     (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
@@ -124,8 +124,8 @@ def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, An
             t0 = clock()
             try:
                 return _inner(mb, *args, **kwargs)
-            finally:
-                record(_kind, mb, t0, clock())
+            finally:  # a backward without its weight gradients (full_backward=False) is zero bubble's input pass
+                record("I" if _kind == "B" and kwargs.get("full_backward") is False else _kind, mb, t0, clock())
 
         setattr(stage, name, timed)
 
@@ -141,3 +141,44 @@ def after_reduce_grad(stage: PipelineStage, callback: Callable[[], None]) -> Non
         callback()
 
     stage.perform_reduce_grad = reduce_after
+
+
+_OUR_OP = {torch_op: op for op, torch_op in _TORCH_OP.items()}
+
+
+class TimedActions(list):
+    """One rank's action list for torch's runtime that times each action while ``enabled()``: the runtime runs action
+    i between taking it from the list and asking for action i + 1 (``_step_microbatches`` iterates its rank's list
+    once per step), so ``record(op, stage, micro_batch, start, end)`` gets every action's span (``op`` an `Op`;
+    a compute action's span includes its wait for its input and its gathered weights). Public alternative checked:
+    the ``record_function`` ranges torch's runtime puts around each action, which need the profiler on."""
+
+    def __init__(self, actions: list[Any], record: Callable[..., None], enabled: Callable[[], bool],
+                 clock: Callable[[], Any]) -> None:
+        super().__init__(actions)
+        self._record, self._enabled, self._clock = record, enabled, clock
+
+    def __iter__(self):
+        return self._timed() if self._enabled() else super().__iter__()
+
+    def _timed(self):
+        previous, start = None, None
+        for action in list.__iter__(self):
+            now = self._clock()
+            if previous is not None:
+                self._record(*_named(previous), start, now)
+            previous, start = action, now
+            yield action
+        if previous is not None:
+            self._record(*_named(previous), start, self._clock())
+
+
+def _named(action: Any) -> tuple[Op, int, int | None]:
+    return _OUR_OP[action.computation_type], action.stage_index, action.microbatch_index
+
+
+def time_actions(runtime: Any, record: Callable[..., None], enabled: Callable[[], bool],
+                 clock: Callable[[], Any] = time.perf_counter) -> None:
+    """Time every action `runtime` (from ``build_runtime``) runs on this rank (see `TimedActions`)."""
+    order = runtime.pipeline_order_with_comms
+    order[runtime.rank] = TimedActions(order[runtime.rank], record, enabled, clock)

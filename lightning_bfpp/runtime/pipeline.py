@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -117,9 +117,8 @@ class PipelineRunner:
         self.compiled = CompileCounter() if compiled else None  # layers compiled: graphs made per training step
         self.dims = dims  # the layout: its sequence rule is checked on every batch (None: no rule)
         self.message_bytes = 0  # the largest activation message this rank sends (a stage's output, but the last's)
-        for s, module in modules.items():
-            if s != spec.num_stages - 1:
-                module.register_forward_hook(self._count_message)
+        # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
+        self._side_inputs = any(getattr(m, "_side_inputs", None) for m in modules.values())
 
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
@@ -159,6 +158,7 @@ class PipelineRunner:
             schedule = self.schedules["train"] if mode == "train" else self._forward_schedule(batch_rows(inputs))
             loss_fn = None if mode == "predict" else self.loss_fn
             runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
+            self.timeline.attach_runtime(runtime)
             for stage in stages:
                 self.timeline.attach(stage)
                 if self.grad_sync is not None and mode == "train":
@@ -175,14 +175,13 @@ class PipelineRunner:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []
         self.loss_fn.items.clear()
-        self.timeline.events.clear()
+        self.timeline.clear()
         start = self.timeline.clock() if self.timeline.enabled else None  # (a CUDA event: no sync unmeasured)
-        # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
-        side = input_kwargs(inputs) if any(getattr(m, "_side_inputs", None) for m in self.modules.values()) else {}
+        side = input_kwargs(inputs) if self._side_inputs else {}
         try:
             if mode == "train":
                 batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
-                with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext():
+                with self._measured(batch) if self.timeline.enabled else nullcontext():
                     out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs, **side)
             else:
                 out = runtime.step(*args, **side)
@@ -192,6 +191,20 @@ class PipelineRunner:
             raise
         self.last_stats = self.timeline.stats(start, self.timeline.clock()) if start is not None else {}
         return out, losses
+
+    @contextmanager
+    def _measured(self, batch: list[torch.Tensor]) -> Iterator[None]:
+        """A measured training step: saved activations counted, and the activation messages (outputs of every stage
+        but the last) sized. Unmeasured steps pay for neither (a forward hook alone puts a module's calls on
+        torch's slower path)."""
+        hooks = [module.register_forward_hook(self._count_message) for s, module in self.modules.items()
+                 if s != self.spec.num_stages - 1]
+        try:
+            with self.meter.track(exclude=batch):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False,
                    measure: bool = True) -> tuple[StepLoss | None, Any]:

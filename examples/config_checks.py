@@ -96,6 +96,8 @@ RUN_RULES = [
     ("checkpoint.on_signal_grace_s", lambda v: v is None or (_is_number(v) and v > 0), "must be > 0 seconds or null",
      "null: 25 s under torchrun and after SLURM's SIGTERM, else 60 s"),
     ("data.num_workers", lambda v: is_count(v, 0), "must be an integer >= 0", "0: load in the training process"),
+    ("schedule.cross_step_overlap", lambda v: isinstance(v, bool), "must be true or false",
+     "true: the next step's first all-gathers start right after the optimizer step"),
     ("trace.enabled", lambda v: isinstance(v, bool), "must be true or false", "true: traces of measured steps"),
     ("trace.count", lambda v: is_count(v, 1), "must be an integer >= 1", "e.g. trace.count=3"),
 ]

@@ -91,6 +91,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         signal_checkpoint: where that checkpoint goes (default: Lightning's HPC checkpoint under SLURM or without a
             ModelCheckpoint, else ``last.ckpt`` in the ModelCheckpoint's folder).
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
+        cross_step_overlap: right after each optimizer step, start the next step's first all-gathers (sharded
+            stages), overlapping the time between steps; their weights stay gathered across the boundary.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
     into any other layout. See ``lightning_bfpp.checkpoint``.
@@ -114,7 +116,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
         compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
-        signal_checkpoint: str | Path | None = None, async_save: bool = False,
+        signal_checkpoint: str | Path | None = None, async_save: bool = False, cross_step_overlap: bool = False,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -134,7 +136,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.trust_checkpoints = bool(trust_checkpoints)
         check_on_signal(on_signal, signal_grace_s)
         self.on_signal, self.signal_grace_s, self.signal_checkpoint = on_signal, signal_grace_s, signal_checkpoint
-        self.async_save = bool(async_save)
+        self.async_save, self.cross_step_overlap = bool(async_save), bool(cross_step_overlap)
         self._saves = ckpt.BackgroundSaves()  # async_save: the save under way
 
     # ---- the layout (``self.plan``) ------------------------------------------------------------
@@ -213,6 +215,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self._saves.close()  # the save under way is written before anything ends
+        self.runner is not None and self.runner.settle()  # (cross_step_overlap: gathers held across a step boundary)
         code = self._job.stop()  # after a stop signal: the job's code (128 + N)
         super().teardown()
         if code is not None:
@@ -248,7 +251,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         # Lightning's plugin as a subclass (``adapter.precision``): the global norm, no autocast where FSDP2 casts
         clip = partial(clip_grad_norm_on_mesh, mesh=self.device_mesh, sharded=self.dims.sharded, tied=self.tied)
         self.precision_plugin = pipeline_precision(self.precision_plugin, clip, self._fsdp_mixed_precision,
-                                                   self._training.before_optimizer_step)
+                                                   self._training.before_optimizer_step,
+                                                   self.runner.prefetch_next_step if self.cross_step_overlap else None)
 
     @property
     def _precision(self) -> str:
@@ -300,6 +304,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not "
                             "supported.")
         trainer = self.lightning_module.trainer
+        self.runner is not None and self.runner.settle()
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         ckpt.save_trainer_checkpoint(
             Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],

@@ -16,7 +16,8 @@ precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (
 trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
 (StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer), counted
 (about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)), timeline_trace (PipelineTrace of the
-last step into OUT_DIR/cfg<i>/traces; its files in the record's "traces" on rank 0).
+last step into OUT_DIR/cfg<i>/traces; its files in the record's "traces" on rank 0), cross_step (cross_step_overlap; the
+record's "prefetches": the steps whose first gathers started early).
 Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
 gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
 "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -163,7 +164,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
         on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"),
-        async_save=cfg.get("async_save", False),
+        async_save=cfg.get("async_save", False), cross_step_overlap=cfg.get("cross_step", False),
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]
@@ -215,6 +216,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
          "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history,
          "stats": strategy.step_stats, "fsdp_trace": record.events,
          "traces": [str(p) for c in callbacks if isinstance(c, PipelineTrace) for p in c.written],
+         "prefetches": strategy.runner.prefetches,
          "dtypes": _dtypes(strategy, record.grad_dtypes),
          **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__,
          "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)]},

@@ -50,6 +50,9 @@ WORLD4 = [
     {"pp": 2, "loops": 2, "m": 2, "counted": True, "accumulate": 2, "clip": 0.05},
     {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "counted": True},
     {"pp": 2, "loops": 2, "m": 2, "counted": True, "sharding": "none", "tied": True},
+    # cross-step overlap: the next step's first all-gathers start right after the optimizer step (FSDP over dp=2), a
+    # validation in between (val_check_interval=2) and clipping
+    {"pp": 2, "loops": 2, "m": 2, "cross_step": True, "eval": True, "clip": 0.05},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -76,6 +79,7 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 4, "schedule": "breadth_first_zb", "counted": True},
     {"pp": 2, "loops": 2, "m": 4, "groups": 2, "counted": True, "accumulate": 2},
     {"pp": 1, "loops": 1, "m": 4, "counted": True},
+    {"pp": 1, "loops": 2, "m": 4, "cross_step": True, "accumulate": 2},  # cross-step overlap, accumulating
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -147,6 +151,16 @@ def _check_against_reference(ranks: list[dict], cfg: dict, devices: int) -> None
 def test_matches_single_process_reference(runs, devices, cfg):
     ranks = runs(devices)[({4: WORLD4, 2: WORLD2, 1: WORLD1}[devices]).index(cfg)]
     _check_against_reference(ranks, cfg, devices)
+
+
+@pytest.mark.parametrize("devices,cfg", [(4, c) for c in WORLD4 if c.get("cross_step")]
+                         + [(2, c) for c in WORLD2 if c.get("cross_step")], ids=lambda v: None)
+def test_cross_step_overlap_gathers_the_next_steps_first_stages_early(runs, devices, cfg):
+    """With cross_step_overlap the next step's first all-gathers started after the optimizer step, on every rank,
+    before each optimizer step but the last (the end of the run settles them); the weights match one process
+    (test_matches_single_process_reference)."""
+    ranks = runs(devices)[({4: WORLD4, 2: WORLD2}[devices]).index(cfg)]
+    assert [r["prefetches"] for r in ranks] == [STEPS] * devices
 
 
 @pytest.mark.parametrize("cfg", [c for c in WORLD2 if c.get("counter")], ids=lambda c: "ac" if c.get("ac") else "plain")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._private.pipelining import build_runtime
+from .._private.pipelining import build_runtime, prefetch_first_gathers, settle_prefetched
 from ..contract.hooks import loss_parts
 from ..contract.layer_io import BOUNDARY_RULE
 from ..layout.stage_inputs import input_kwargs
@@ -119,6 +119,9 @@ class PipelineRunner:
         self.message_bytes = 0  # the largest activation message this rank sends (a stage's output, but the last's)
         # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
         self._side_inputs = any(getattr(m, "_side_inputs", None) for m in modules.values())
+        self._last_train: tuple[Any, list] | None = None  # the runtime (and its stages) of the last training step
+        self._prefetched: tuple[Any, list] | None = None  # a runtime whose next step's first gathers are out
+        self.prefetches = 0  # steps whose first gathers started before them (cross-step overlap)
 
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
@@ -172,6 +175,11 @@ class PipelineRunner:
         if mode == "train":
             micro_batch_size(batch_rows(inputs), self.spec.micro_batches, _BATCH_NAMES)
         runtime = self._runtime(mode, inputs)
+        if self._prefetched is not None and self._prefetched[0] is not runtime:
+            self.settle()  # the gathers were for another runtime's step (an evaluation, another batch shape)
+        self._prefetched = None
+        if mode == "train":
+            self._last_train = self._runtimes[(mode, _shape_key(inputs))]
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []
         self.loss_fn.items.clear()
@@ -191,6 +199,21 @@ class PipelineRunner:
             raise
         self.last_stats = self.timeline.stats(start, self.timeline.clock()) if start is not None else {}
         return out, losses
+
+    def prefetch_next_step(self) -> None:
+        """Cross-step overlap, right after the optimizer step: the next training step's first all-gathers (the
+        UNSHARDs before this rank's first compute) start now, overlapping what runs between the steps (the rest of
+        the optimizer hooks, callbacks, logging, the next batch's loading); the gathered weights are held across the
+        step boundary. Anything but that step settles them first (``settle``)."""
+        if self._last_train is not None and prefetch_first_gathers(*self._last_train):
+            self._prefetched = self._last_train
+            self.prefetches += 1
+
+    def settle(self) -> None:
+        """Wait for and free prefetched gathers (before an evaluation, a checkpoint, the end of a run)."""
+        if self._prefetched is not None:
+            settle_prefetched(*self._prefetched)
+            self._prefetched = None
 
     @contextmanager
     def _measured(self, batch: list[torch.Tensor]) -> Iterator[None]:

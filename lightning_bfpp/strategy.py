@@ -25,7 +25,6 @@ from ._private.lightning_api import (
     set_module_device_mesh,
     unwrap_optimizer,
 )
-from ._private.torch_api import check_compile
 from .adapter.collectives import ReplicaCollectives
 from .adapter.loader import check_split, check_training_loader
 from .adapter.precision import pipeline_precision
@@ -44,6 +43,7 @@ from .layout.mesh import build_mesh, forget_groups
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import layer_plans
+from .runtime.cuda_graphs import check_runtime_options
 from .runtime.pipeline import PipelineRunner
 from .runtime.reduce import clip_grad_norm_on_mesh
 from .schedule import Schedule
@@ -91,8 +91,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         signal_checkpoint: where that checkpoint goes (default: Lightning's HPC checkpoint under SLURM or without a
             ModelCheckpoint, else ``last.ckpt`` in the ModelCheckpoint's folder).
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
-        cross_step_overlap: right after each optimizer step, start the next step's first all-gathers (sharded
-            stages), overlapping the time between steps; their weights stay gathered across the boundary.
+        cross_step_overlap: start the next step's first all-gathers right after each optimizer step (docs/settings.md).
+        cuda_graphs: capture each local stage's training forward and backward as CUDA graphs, one per micro-batch.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
     into any other layout. See ``lightning_bfpp.checkpoint``.
@@ -117,7 +117,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
         signal_checkpoint: str | Path | None = None, async_save: bool = False, cross_step_overlap: bool = False,
-    ) -> None:
+        cuda_graphs: bool = False) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
         self._training = TrainingStep(measure_every_n_steps, nonfinite_loss, max_consecutive_skips)
@@ -127,6 +127,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
+        self.cuda_graphs = bool(cuda_graphs)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
@@ -271,8 +272,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             self._contract_announced = True
             announce_contract(module, self.spec.pipeline_parallel, self.spec.micro_batches)
         stages = self.plan.check_model(module, layers)
-        if self.compile:
-            check_compile(self.root_device.type)
+        check_runtime_options(self.root_device.type, self.dims, compile_layers=self.compile,
+                              cuda_graphs=self.cuda_graphs, activation_checkpointing=self.activation_checkpointing)
         return stages
 
     def _build_pipeline(self, module) -> PipelineRunner:
@@ -291,7 +292,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
                                                  self.activation_checkpointing, self.compile)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims, self.compile)
+                                      module.pipeline_loss, self.dims, self.compile, self.cuda_graphs)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

@@ -227,6 +227,10 @@ CHECKS = [  # (overrides, what the error must say)
     (["checkpoint.on_signal_grace_s=0"], "checkpoint.on_signal_grace_s=0 must be > 0 seconds or null"),
     (["data.num_workers=-1"], "data.num_workers=-1 must be an integer >= 0"),
     (["logger=wandb", "logger.mode=bogus"], "logger.mode='bogus': use logger.mode=offline or online"),
+    (["schedule.cross_step_overlap=maybe"], "schedule.cross_step_overlap='maybe' must be true or false"),
+    (["schedule.cuda_graphs=true"], "schedule.cuda_graphs=true needs a CUDA device (cluster=cpu_4 is cpu)"),
+    (["trace.enabled=yes"], "trace.enabled='yes' must be true or false"),
+    (["trace.count=0"], "trace.count=0 must be an integer >= 1"),
 ]
 ACCEPTED = [
     [], ["+trainer.max_epochs=1", "+trainer.limit_train_batches=5"], ["trainer.precision=bf16-mixed"],
@@ -236,6 +240,8 @@ ACCEPTED = [
     ["optim=sgd", "optim.lr=1e-4", "optim.warmup_steps=0", "optim.min_lr_ratio=1"],
     ["trainer.max_steps=-1", "+trainer.max_epochs=2"],  # epoch-bounded training
     ["checkpoint.on_signal=exit", "checkpoint.on_signal_grace_s=10", "ckpt_path=null", "checkpoint.async_save=true"],
+    ["schedule.cross_step_overlap=true", "trace.enabled=true", "trace.count=1"],
+    ["cluster=gpu_8", "schedule.cuda_graphs=true", "schedule.sharding=none"],
 ]
 
 

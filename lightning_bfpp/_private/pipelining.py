@@ -259,3 +259,19 @@ def settle_prefetched(runtime: Any, stages: list[PipelineStage]) -> None:
         for unit in _fsdp_units(by_index[stage]):
             unit.reshard()
     order.skip = frozenset()
+
+
+def on_micro_batch(stage: PipelineStage, set_micro_batch: Callable[[int | None], None]) -> None:
+    """Call ``set_micro_batch(mb)`` before and ``set_micro_batch(None)`` after each forward the runtime runs on
+    `stage` (``forward_one_chunk``; torch's shape inference and evaluation calls in between see None). Public
+    alternative checked: a module forward pre-hook does not see the micro-batch index."""
+    inner = stage.forward_one_chunk
+
+    def forward(mb, *args, **kwargs):
+        set_micro_batch(mb)
+        try:
+            return inner(mb, *args, **kwargs)
+        finally:
+            set_micro_batch(None)
+
+    stage.forward_one_chunk = forward

@@ -21,6 +21,8 @@ from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
 from ..schedule.dims import DP, PP, Names, ParallelDims, micro_batch_size
+from .cuda_graphs import attach as attach_graphs
+from .cuda_graphs import capture_stages
 from .grad_sync import BucketedAllReduce
 from .instrument import CompileCounter, SavedActivationMeter, Timeline, local_bytes
 
@@ -99,6 +101,7 @@ class PipelineRunner:
         replicate_group: dist.ProcessGroup | None = None,
         compiled: bool = False,
         dims: ParallelDims | None = None,
+        cuda_graphs: bool = False,
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -122,16 +125,18 @@ class PipelineRunner:
         self._last_train: tuple[Any, list] | None = None  # the runtime (and its stages) of the last training step
         self._prefetched: tuple[Any, list] | None = None  # a runtime whose next step's first gathers are out
         self.prefetches = 0  # steps whose first gathers started before them (cross-step overlap)
+        self.graphs = capture_stages(modules) if cuda_graphs else None  # CUDA graphs of the training passes
 
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
                 loss_fn: Callable[[Any, Any], torch.Tensor], dims: ParallelDims,
-                compiled: bool = False) -> PipelineRunner:
+                compiled: bool = False, cuda_graphs: bool = False) -> PipelineRunner:
         """A runner over the `mesh` of the layout `dims`: p2p over its pipeline group; gradients all-reduced over its
         data-parallel group unless the stages are sharded (FSDP2 reduce-scatters them)."""
         dp_mesh = mesh[DP]
         replicate_group = dp_mesh.get_group() if not dims.sharded and dp_mesh.size() > 1 else None
-        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims)
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims,
+                   cuda_graphs)
 
     def _count_message(self, _module: nn.Module, _args: Any, output: Any) -> None:
         tensors = output if isinstance(output, (tuple, list)) else (output,)
@@ -166,6 +171,8 @@ class PipelineRunner:
                 self.timeline.attach(stage)
                 if self.grad_sync is not None and mode == "train":
                     self.grad_sync.attach(stage)
+                if self.graphs is not None and mode == "train":
+                    attach_graphs(self.graphs, stage)
             self._runtimes[key] = (runtime, stages)
         return self._runtimes[key][0]
 

@@ -24,11 +24,16 @@ class SimOptions:
         reduce_at_end: gradient reductions run after the whole pipeline flush, one after the other
             (Megatron-LM's data-parallel all-reduce), instead of at each REDUCE_GRAD.
         blocking_reduce: the rank waits for each REDUCE_GRAD to finish (the CPU/gloo runtime does).
+        cross_step_overlap: the runtime's ``cross_step_overlap``: the step's first all-gathers started right after
+            the previous optimizer step, so they overlap the host time between steps (``Costs.step_overhead``): the
+            step is shorter by the lesser of that time and the wait of the first rank's first compute for its
+            weights (``SimResult.cross_step_gain``). Steady state: every step follows another.
     """
 
     blocking_p2p: bool = False
     reduce_at_end: bool = False
     blocking_reduce: bool = False
+    cross_step_overlap: bool = False
 
 
 MEGATRON = SimOptions(blocking_p2p=True, reduce_at_end=True)
@@ -58,6 +63,7 @@ class SimResult:
     pipeline_bubble: float | None = None  # bubble of the same step with free communication
     comm_free_step_time: float | None = None
     tensor_parallel: int = 1  # devices per simulated pipeline rank
+    cross_step_gain: float = 0.0  # seconds cross-step overlap takes (or would take) off the step
 
     @property
     def bubble(self) -> float:
@@ -85,10 +91,11 @@ class SimResult:
 
 class _Rank:
     __slots__ = ("rank", "program", "pc", "host", "ag_free", "rs_free", "nic", "ag_stage", "ready", "busy", "deferred",
-                 "mem", "grads")
+                 "mem", "grads", "first_compute")
 
     def __init__(self, rank: int, program):
         self.rank, self.program, self.pc = rank, program, 0
+        self.first_compute: float | None = None  # when the rank's first compute starts
         self.host = self.ag_free = self.rs_free = self.busy = 0.0
         self.nic = 0.0  # time the rank's network interface is free of collectives (inter-node transfers only)
         self.ag_stage = -1  # stage of the last inter-node all-gather
@@ -234,6 +241,8 @@ class _Play:
             if self.full and s not in r.grads:
                 r.grads.add(s)
                 r.mem.append((t0, st.grad_bytes * st.params, "gradients"))
+        if r.first_compute is None:
+            r.first_compute = t0
         r.host = t0 + dur
         r.busy += dur
         if self.events is not None:
@@ -292,8 +301,12 @@ class _Play:
                 for r in self.ranks]
         spec = self.schedule.spec
         memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
-        return SimResult(self.schedule, max(ends), self.events or [], [r.busy for r in self.ranks], memory,
-                         self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel)
+        # the first rank's first forward waits for its gathered weights (nothing else: its input is the batch); the
+        # next step's gathers may run during the host time between steps instead
+        gain = min(self.costs.step_overhead, self.ranks[0].first_compute or 0.0)
+        step = max(ends) - (gain if self.options.cross_step_overlap else 0.0)
+        return SimResult(self.schedule, step, self.events or [], [r.busy for r in self.ranks], memory,
+                         self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel, cross_step_gain=gain)
 
 
 def _static_bytes(stages: list[int], costs: Costs) -> float:

@@ -1,7 +1,7 @@
 """The user's LightningModule as Lightning runs it under bfpp: its own steps and logs (``steps``, ``step_state``),
 its collectives (``collectives``), precision and gradient hand-over to Lightning's backward (``precision``,
 ``handover``), the loader checks (``same_batch``, ``loader``), NaN handling (``nonfinite``) and the reporting
-callback (``metrics``).
+callbacks (``metrics``, ``trace``).
 
 May import: ``schedule``, ``sim``, ``contract``, ``layout``, ``runtime``, ``_private``.
 """

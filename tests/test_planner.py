@@ -212,7 +212,7 @@ def test_the_paper_model_plans_sequence_parallel_at_340_tokens_per_gpu():
 def test_the_planner_searches_cross_step_overlap_where_the_host_time_between_steps_hides_a_gather():
     """A calibrated CPU cluster (host time between steps measured): with cross_step_overlaps=(False, True) the best
     sharded layout overlaps its first gather and the plan's command line says so; without host time it gains nothing
-    and the layouts are the ones found without searching it."""
+    here and the layouts are the ones found without searching it."""
     model, cluster = _load("gpt_tiny", "cpu_2_calibrated")
     plans = search(model, cluster, 8, top=3, shardings=["full"], cross_step_overlaps=(False, True))
     best = plans[0]

@@ -25,9 +25,11 @@ class SimOptions:
             (Megatron-LM's data-parallel all-reduce), instead of at each REDUCE_GRAD.
         blocking_reduce: the rank waits for each REDUCE_GRAD to finish (the CPU/gloo runtime does).
         cross_step_overlap: the runtime's ``cross_step_overlap``: the step's first all-gathers started right after
-            the previous optimizer step, so they overlap the host time between steps (``Costs.step_overhead``): the
-            step is shorter by the lesser of that time and the wait of the first rank's first compute for its
-            weights (``SimResult.cross_step_gain``). Steady state: every step follows another.
+            the previous optimizer step (once every rank's last compute is done and the first rank's gradients are
+            reduced) instead of at this step's start, so they overlap what separates the two: the host time between
+            steps (``Costs.step_overhead``, taken to follow the optimizer step) and other ranks' last reductions. The
+            step is shorter by that head start, at most the first rank's wait for its first gather
+            (``SimResult.cross_step_gain``). Steady state: every step follows another.
     """
 
     blocking_p2p: bool = False
@@ -301,10 +303,14 @@ class _Play:
                 for r in self.ranks]
         spec = self.schedule.spec
         memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
-        # the first rank's first forward waits for its gathered weights (nothing else: its input is the batch); the
-        # next step's gathers may run during the host time between steps instead
-        gain = min(self.costs.step_overhead, self.ranks[0].first_compute or 0.0)
-        step = max(ends) - (gain if self.options.cross_step_overlap else 0.0)
+        step = max(ends)
+        # Cross-step overlap: the first rank's first forward waits for its gathered weights (its input is the batch);
+        # issued right after the optimizer step, that gather starts once every rank's last compute is done (the
+        # shared loss) and the first rank's gradients are reduced (its update), not at the next step's start
+        first = self.ranks[0]
+        started = max(max(r.host for r in self.ranks), first.rs_free)
+        gain = max(0.0, min(first.first_compute or 0.0, step - started))
+        step -= gain if self.options.cross_step_overlap else 0.0
         return SimResult(self.schedule, step, self.events or [], [r.busy for r in self.ranks], memory,
                          self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel, cross_step_gain=gain)
 

@@ -3,6 +3,8 @@
 A model small enough that the host, not arithmetic, sets the step time: 16 x (LayerNorm, Linear 64, GELU), 16 rows
 per step, SGD, OMP_NUM_THREADS=1. Each round runs, for every (m, loops), side by side and in rotated order:
   plain      a plain PyTorch loop: each micro-batch's forward, loss / m and backward, then the optimizer step
+  stages     the least a pipeline runtime does more: the same loop cut into bfpp's `loops` stages, in breadth-first
+             order, each stage's backward of each micro-batch its own autograd call (inputs detached between stages)
   torch      torch's own pipelining runtime (``_PipelineScheduleRuntime``) executing the same lowered actions as bfpp
              over the same stages, the same optimizer loop around it (no Lightning, no bfpp)
   lightning  plain Lightning (strategy "auto") whose training_step runs the same micro-batches (one backward) and
@@ -48,7 +50,7 @@ from torch import nn
 from lightning_bfpp import BFPPStrategy, PipelineHooks
 
 WIDTH, DEPTH, ROWS, LR = 64, 16, 16, 0.01
-VARIANTS = ("plain", "torch", "lightning", "bfpp")
+VARIANTS = ("plain", "stages", "torch", "lightning", "bfpp")
 CALLGRIND_ENV = "BFPP_HOST_OVERHEAD_CALLGRIND"  # set in the process valgrind runs: its output folder
 
 
@@ -137,6 +139,38 @@ def run_plain(m: int, loops: int, meter: Meter) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def run_stages(m: int, loops: int, meter: Meter) -> None:
+    """Breadth-first over `loops` stages by hand: forward stage by stage for every micro-batch, then backward stage by
+    stage in reverse, each (stage, micro-batch) backward one autograd call on its output."""
+    torch.manual_seed(0)
+    model = Net()
+    per = DEPTH // loops
+    stages = [model.layers[i * per:(i + 1) * per] for i in range(loops)]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for x, y in loader(meter.steps):
+        meter.mark()
+        inputs, outputs = {}, {}
+        for s, stage in enumerate(stages):
+            for k, chunk in enumerate(x.chunk(m)):
+                h = chunk if s == 0 else outputs[(s - 1, k)].detach().requires_grad_()
+                inputs[(s, k)] = h
+                for layer in stage:
+                    h = layer(h)
+                outputs[(s, k)] = h
+        grads = {}
+        for s in reversed(range(loops)):
+            for k, target in enumerate(y.chunk(m)):
+                out = outputs.pop((s, k))
+                if s == loops - 1:
+                    (model.pipeline_loss(out, target) / m).backward()
+                else:
+                    torch.autograd.backward(out, grads.pop((s + 1, k)))
+                if s > 0:
+                    grads[(s, k)] = inputs.pop((s, k)).grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def run_torch(m: int, loops: int, meter: Meter) -> None:
     """torch's runtime over bfpp's own lowered action list and stage modules, with a plain optimizer loop."""
     from lightning_bfpp._private.pipelining import build_runtime
@@ -167,7 +201,7 @@ def run_lightning(m: int, loops: int, meter: Meter, bfpp: bool) -> None:
     trainer.fit(model, train_dataloaders=loader(meter.steps))
 
 
-RUNS = {"plain": run_plain, "torch": run_torch,
+RUNS = {"plain": run_plain, "stages": run_stages, "torch": run_torch,
         "lightning": lambda m, loops, meter: run_lightning(m, loops, meter, bfpp=False),
         "bfpp": lambda m, loops, meter: run_lightning(m, loops, meter, bfpp=True)}
 

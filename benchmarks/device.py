@@ -13,8 +13,14 @@ is kept, marked "stopped at budget"):
        same micro-batches (gpu.raw_loop) and Lightning's own FSDP2 route (ModelParallelStrategy + fully_shard per
        layer), same model and batch, eager and compiled: step-time ratios and MFU; the simulator's step time for
        each bfpp variant from the layer times measured at its micro-batch size, beside the measured one.
-Writes one JSON (--out) and prints a short table. Without a GPU the gpu part records why it did not run (the
-dry run runs it on CPU in fp32).
+  big  (issue 53; not in the default parts: --parts big) one device in bf16 on a 1.2B-parameter GPT whose
+       micro-batches keep an H200 busy (24 x 2048, 1,024 tokens, 16 sequences a step: 2 per micro-batch at m=8): a
+       plain PyTorch loop and bfpp pipeline_parallel=1 at m = 1, 4, 8, eager, compiled, and bfpp with
+       cuda_graphs=True (each stage's forward and backward replayed as CUDA graphs, one per micro-batch): MFU and
+       bfpp / the plain loop at the same m. Its dry run (CPU, tiny model) checks that cuda_graphs=True is refused on
+       CPU, naming the setting, and records the message.
+Writes one JSON (--out) and prints a short table. Without a GPU the gpu and big parts record why they did not run
+(the dry run runs them on CPU in fp32).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from common import ROOT
 
 BUDGET_S = {"cpu": 230, "gpu": 200}  # + start-up and the table: under 8 minutes in all
 DRY_BUDGET_S = {"cpu": 70, "gpu": 45}  # under 2 minutes in all
+BIG_BUDGET_S, BIG_DRY_BUDGET_S = 330, 60  # the big part alone (--parts big): a device call of its own
+BIG_MODEL = {"n_layer": 24, "n_head": 16, "n_embd": 2048, "block_size": 1024, "vocab_size": 256}  # 1.2B parameters
 GPU_MODEL = {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024, "vocab_size": 256}  # 0.3B parameters
 TINY_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 256}
 
@@ -140,12 +148,52 @@ def gpu_part(dry: bool, partial: Path, work: Path) -> None:
         _save(partial, results)
 
 
+def big_part(dry: bool, partial: Path, work: Path) -> None:
+    """A compute-bound model: the plain loop and bfpp pp=1 at m = 1, 4, 8, eager, compiled and with CUDA graphs."""
+    import torch
+    from gpt import GPTConfig
+    from gpu import one_stage_run, peak_tflops, raw_loop
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not dry:
+        _save(partial, {"skipped": "no CUDA device on this machine (the dry run runs this part on CPU)"})
+        return
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg_dict = TINY_MODEL if dry else BIG_MODEL
+    cfg, batch, steps = GPTConfig(**cfg_dict), 8 if dry else 16, 5 if dry else 7
+    peak = peak_tflops(device, None)
+    results: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "model": cfg_dict,
+                     "batch": batch, "precision": "bf16-mixed" if cuda else "32-true", "peak_tflops": peak,
+                     "variants": {}}
+    modes = [("eager", False, False), ("cuda_graphs", False, True), ("compiled", True, False)]  # compiles: last
+    for mode, compiled, graphs in modes:
+        for m in (1, 4, 8):
+            for kind in ("raw", "bfpp") if not graphs else ("bfpp",):
+                name = f"{kind} m={m} {mode}"
+                if graphs and not cuda:  # what can run without a GPU: the refusal, named
+                    try:
+                        one_stage_run(cfg, batch, m, 1, device, cuda_graphs=True)
+                        results["variants"][name] = {"error": "cuda_graphs=True ran on CPU"}
+                    except ValueError as error:
+                        results["variants"][name] = {"refused_on_cpu": str(error)}
+                    _save(partial, results)
+                    continue
+                run = (raw_loop(cfg, batch, m, steps, device, compiled) if kind == "raw" else
+                       one_stage_run(cfg, batch, m, steps, device, compiled=compiled, cuda_graphs=graphs))
+                run["mfu"] = run["model_flops_per_s"] / (peak * 1e12) if peak else None
+                raw = results["variants"].get(f"raw m={m} {'eager' if graphs else mode}")
+                if kind == "bfpp" and raw:
+                    run["step_s_over_raw"] = run["step_s"] / raw["step_s"]
+                results["variants"][name] = run
+                _save(partial, results)
+
+
 def _variant(strategy: str, loops: int, m: int) -> str:
     """A gpu-part variant's name (without " compiled"); Lightning's FSDP2 runs one micro-batch only."""
     return {"bfpp": f"bfpp loops={loops} m={m}", "raw": f"raw m={m}", "fsdp2": "fsdp2"}[strategy]
 
 
-PARTS = {"cpu": cpu_part, "gpu": gpu_part}
+PARTS = {"cpu": cpu_part, "gpu": gpu_part, "big": big_part}
 
 
 def run_part(name: str, dry: bool, budget: float, work: Path) -> dict:
@@ -188,6 +236,16 @@ def table(report: dict) -> str:
         lines.append(f"  {name:<26} step {run['step_s'] * 1e3:9.2f} ms" + (f"  / raw {raw:.3f}" if raw else "")
                      + (f"  / fsdp2 {fsdp2:.3f}" if fsdp2 else "") + (f"  MFU {mfu:.1%}" if mfu else "")
                      + (f"  sim/measured {sim:.2f}" if sim else ""))
+    big = report["parts"].get("big", {})
+    if big:
+        lines.append(f"big: {big['status']} {big.get('skipped', big.get('device', ''))}")
+    for name, run in (big.get("variants") or {}).items():
+        if "step_s" not in run:
+            lines.append(f"  {name:<26} {run}")
+            continue
+        raw, mfu = run.get("step_s_over_raw"), run.get("mfu")
+        lines.append(f"  {name:<26} step {run['step_s'] * 1e3:9.2f} ms" + (f"  / raw {raw:.3f}" if raw else "")
+                     + (f"  MFU {mfu:.1%}" if mfu else ""))
     return "\n".join(lines)
 
 
@@ -209,7 +267,9 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="bfpp-device-"))
     work.mkdir(parents=True, exist_ok=True)
-    budgets = {k: v * args.budget_scale for k, v in (DRY_BUDGET_S if args.dry_run else BUDGET_S).items()}
+    big = BIG_DRY_BUDGET_S if args.dry_run else BIG_BUDGET_S
+    budgets = {**(DRY_BUDGET_S if args.dry_run else BUDGET_S), "big": big}
+    budgets = {k: v * args.budget_scale for k, v in budgets.items()}
     t0 = time.perf_counter()
     report = {"dry_run": args.dry_run, "date": time.strftime("%Y-%m-%d %H:%M"), "work": str(work),
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}, "parts": {}}

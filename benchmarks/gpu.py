@@ -122,11 +122,12 @@ def raw_loop(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device:
 
 def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, device: torch.device,
                   loops: int = 1, compiled: bool = False, strategy: str = "bfpp",
-                  callbacks: list | None = None) -> dict:
+                  callbacks: list | None = None, cuda_graphs: bool = False) -> dict:
     """One device, Lightning: BFPPStrategy(pipeline_parallel=1, loops, micro_batches) or, strategy="fsdp2",
     Lightning's ModelParallelStrategy with each layer fully_shard-ed (worker.ShardedGPT); `compiled`: bfpp's
     compile=True, or each layer compiled before FSDP; `callbacks` join the Trainer's. Median step period after 3 steps
-    (the compile is in the first); with bfpp's compile, its last step's graph counts (the result's `compiled`)."""
+    (the compile is in the first); with bfpp's compile, its last step's graph counts (the result's `compiled`);
+    `cuda_graphs`: bfpp's cuda_graphs=True (each stage's passes replayed as CUDA graphs)."""
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from worker import Probe, ShardedGPT, compile_each_layer
@@ -145,7 +146,8 @@ def one_stage_run(cfg: GPTConfig, batch: int, micro_batches: int, steps: int, de
     trainer = Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=steps, logger=False,
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1) if strategy == "fsdp2" else
-        BFPPStrategy(pipeline_parallel=1, loops=loops, micro_batches=micro_batches, compile=compiled),
+        BFPPStrategy(pipeline_parallel=1, loops=loops, micro_batches=micro_batches, compile=compiled,
+                     cuda_graphs=cuda_graphs),
         precision="bf16-mixed" if device.type == "cuda" else "32-true", enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, *(callbacks or [])],
     )

@@ -4,6 +4,7 @@
     python benchmarks/measure_overhead.py --what grad_sync  # sharding="none": bucketed async all-reduce from each
                                                             # stage's REDUCE_GRAD vs one all-reduce per parameter
                                                             # after the schedule (the earlier code)
+    python benchmarks/measure_overhead.py --what cross_step  # FSDP over 2 replicas: cross_step_overlap off vs on
 Prints each variant's median step period (on_train_batch_start -> next start) and its ratio to the first
 variant (per round, then median over rounds).
 """
@@ -33,7 +34,7 @@ def compare(out: Path, variants: dict[str, dict], *, rounds: int, warmup: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--what", choices=("measure", "grad_sync"), default="measure")
+    ap.add_argument("--what", choices=("measure", "grad_sync", "cross_step"), default="measure")
     ap.add_argument("--model", default="gpt_tiny")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
@@ -45,9 +46,12 @@ def main() -> None:
     if args.what == "measure":  # pipeline of 2 ranks, FSDP irrelevant (dp = 1)
         job.update(pp=2, loops=2, sharding="full")
         variants = {"off": {**job, "measure": 0}, "on": {**job, "measure": 1}}
-    else:  # data parallel 2, four local stages: three stages' reductions can overlap later backwards
-        job.update(pp=1, loops=4, sharding="none", measure=0)
+    elif args.what == "grad_sync":  # data parallel 2, four local stages: three stages' reductions can overlap later
+        job.update(pp=1, loops=4, sharding="none", measure=0)  # backwards
         variants = {"per_parameter": {**job, "grad_sync": "per_parameter"}, "bucketed": job}
+    else:  # FSDP over 2 replicas, two local stages: the first stage's gather of the next step starts early
+        job.update(pp=1, loops=2, sharding="full", measure=0)
+        variants = {"off": job, "on": {**job, "cross_step": True}}
     with tempfile.TemporaryDirectory() as tmp:
         res = compare(Path(tmp), variants, rounds=args.rounds, warmup=args.warmup)
     first = next(iter(variants))

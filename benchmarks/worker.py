@@ -4,7 +4,8 @@ Usage (the benchmark modules call it through benchmarks/common.py:launch):
     python benchmarks/worker.py OUT_DIR DEVICES        # reads OUT_DIR/jobs.json
 
 Job kinds (each a dict with "kind", "model" (conf/model name), "batch" (global), "steps", ...):
-  bfpp    Trainer(strategy=BFPPStrategy(pp, loops, m, schedule, sharding, measure_every_n_steps=measure));
+  bfpp    Trainer(strategy=BFPPStrategy(pp, loops, m, schedule, sharding, measure_every_n_steps=measure,
+          cross_step_overlap=cross_step));
           "grad_sync": "per_parameter" replaces sharding="none"'s bucketed reduction by the earlier per-parameter one
   raw     the same stages and micro-batches under torch.distributed.pipelining's public schedule class
           (ScheduleLoopedBFS / ScheduleInterleaved1F1B / ScheduleGPipe / Schedule1F1B) and a plain
@@ -137,7 +138,7 @@ def strategy_for(job: dict):
         return BFPPStrategy(pipeline_parallel=job["pp"], loops=job.get("loops", 1), micro_batches=job["m"],
                             schedule=job.get("schedule", "breadth_first"), sharding=job.get("sharding", "full"),
                             measure_every_n_steps=job.get("measure"), stage_layers=job.get("stage_layers"),
-                            compile=job.get("compile", False))
+                            compile=job.get("compile", False), cross_step_overlap=job.get("cross_step", False))
     if kind == "mp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -105,6 +105,12 @@ RUN_RULES = [
     ("checkpoint.on_signal_grace_s", lambda v: v is None or (_is_number(v) and v > 0), "must be > 0 seconds or null",
      "null: 25 s under torchrun and after SLURM's SIGTERM, else 60 s"),
     ("data.num_workers", lambda v: is_count(v, 0), "must be an integer >= 0", "0: load in the training process"),
+    ("schedule.cross_step_overlap", lambda v: isinstance(v, bool), "must be true or false",
+     "true: the next step's first all-gathers start right after the optimizer step"),
+    ("schedule.cuda_graphs", lambda v: isinstance(v, bool), "must be true or false",
+     "true (GPU): each stage's training passes replayed as CUDA graphs"),
+    ("trace.enabled", lambda v: isinstance(v, bool), "must be true or false", "true: traces of measured steps"),
+    ("trace.count", lambda v: is_count(v, 1), "must be an integer >= 1", "e.g. trace.count=3"),
 ]
 WANDB_MODES = ("offline", "online")
 
@@ -127,6 +133,9 @@ def check_run_keys(cfg: DictConfig) -> None:
         raise ConfigError(f"logger.mode={cfg.logger.get('mode')!r}: use logger.mode={' or '.join(WANDB_MODES)}, or "
                           "logger=csv / logger=none for no W&B run.")
     accelerator = cfg.cluster.get("accelerator")
+    if cfg.schedule.get("cuda_graphs") and cfg.trainer.get("strategy") == "bfpp" and accelerator not in ("gpu", "cuda"):
+        raise ConfigError(f"schedule.cuda_graphs=true needs a CUDA device (cluster={cfg.cluster.get('name')} is "
+                          f"{accelerator}): a CUDA graph replays GPU kernels; use schedule.cuda_graphs=false here.")
     if accelerator in ("gpu", "cuda"):
         import torch
 

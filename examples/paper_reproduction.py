@@ -51,7 +51,9 @@ def load(model: str, cluster: str) -> tuple[Model, Cluster]:
     return Model.from_dict(m), Cluster.from_dict(c)
 
 
-def best(model: Model, cluster: Cluster, beta: float, mode: str):
+def best(model: Model, cluster: Cluster, beta: float, mode: str, cross_step: tuple[bool, ...] = (False, True)):
+    """The best fitting layout of `mode`; our runtime's modes also try cross-step overlap (`cross_step`), which helps
+    only where the cluster has host time between steps (``step_overhead``; none in a100_paper)."""
     schedules, shardings, options, (min_pp, max_pp), tps, sps = MODES[mode]
     batch = int(beta * cluster.world_size)
     found = []
@@ -59,9 +61,38 @@ def best(model: Model, cluster: Cluster, beta: float, mode: str):
         lo = max(min_pp, 3) if mode == "megatron_like" and name == "depth_first" else min_pp
         found += search(model, cluster, batch, options=options, top=1, schedules=[name], shardings=shardings,
                         min_pipeline_parallel=lo, max_pipeline_parallel=max_pp, tensor_parallels=tps,
-                        sequence_parallels=sps)
+                        sequence_parallels=sps, cross_step_overlaps=(False,) if mode == "megatron_like" else cross_step)
     found = [p for p in found if p.fits]
     return max(found, key=lambda p: p.tokens_per_second_per_device) if found else None
+
+
+def cross_step_table(model: Model, cluster: Cluster, overheads=(0.0, 0.005, 0.010), betas=(0.125,)) -> str:
+    """BF and BF-ZB with and without cross-step overlap as the host time between steps grows (``step_overhead``:
+    none in a100_paper; the H200 run measured ~10 ms a step outside kernels), model TFLOP/s per GPU and % of the
+    compute-bound limit. One search per mode and host time: its plans hold both (search(cross_step_overlaps=...))."""
+    fpt, bound = model.flops_per_token(), cluster.flops
+    rows = ["| sequences/GPU | host time between steps | BF | BF, cross-step | BF-ZB | BF-ZB, cross-step | "
+            "gain (BF-ZB) |", "|---|---|---|---|---|---|---|"]
+    for beta in betas:
+        for overhead in overheads:
+            cl, cells, gain = replace(cluster, step_overhead=overhead), [], 0.0
+            for mode in ("breadth_first", "breadth_first_zb"):
+                schedules, shardings, options, (min_pp, _), tps, sps = MODES[mode]
+                plans = [p for p in search(model, cl, int(beta * cl.world_size), options=options, top=1,
+                                           schedules=schedules, shardings=shardings, min_pipeline_parallel=min_pp,
+                                           tensor_parallels=tps, sequence_parallels=sps,
+                                           cross_step_overlaps=(False, True)) if p.fits]
+                pair = [max((p for p in plans if p.candidate.cross_step_overlap == on),
+                            key=lambda p: p.tokens_per_second_per_device) for on in (False, True)
+                        if any(p.candidate.cross_step_overlap == on for p in plans)]
+                if len(pair) == 1:  # nothing to gain anywhere: the plain plan stands for both
+                    pair *= 2
+                for p in pair:
+                    tflops = p.tokens_per_second_per_device * fpt / 1e12
+                    cells.append(f"{tflops:.1f} ({tflops * 1e12 / bound:.1%})")
+                gain = pair[1].tokens_per_second_per_device / pair[0].tokens_per_second_per_device
+            rows.append(f"| {beta:g} | {overhead * 1e3:g} ms | " + " | ".join(cells) + f" | {gain:.3f} |")
+    return "\n".join(rows)
 
 
 def possible(cluster: Cluster, beta: float, mode: str) -> bool:
@@ -91,6 +122,7 @@ def _layout(p) -> str:
     extra += " raf" if c.reshard_after_forward else ""
     extra += f" {c.sharding}" if c.sharding != "full" else ""
     extra += f" {c.residency}{c.cache or ''}" if c.residency != "step" else ""
+    extra += " cross-step" if c.cross_step_overlap else ""
     cp = f" cp{c.context_parallel}" if c.context_parallel > 1 else ""
     return (f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''}{cp} pp{c.pipeline_parallel} "
             f"l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}")
@@ -257,6 +289,8 @@ def main() -> None:
                         help="only the tp=1 weight-residency table (64 GPUs, ~1 min)")
     parser.add_argument("--context-parallel", action="store_true",
                         help="only the table of the best layouts with and without context parallel (CP_CASES)")
+    parser.add_argument("--cross-step", action="store_true",
+                        help="only the cross-step overlap table (BF, BF-ZB; host time between steps 0-10 ms)")
     args = parser.parse_args()
     if args.residency:
         print(residency_table(*load(args.model, args.cluster)))
@@ -265,6 +299,9 @@ def main() -> None:
         start = time.perf_counter()
         print(context_parallel_table(args.cluster))
         print(f"({time.perf_counter() - start:.0f} s)")
+        return
+    if args.cross_step:
+        print(cross_step_table(*load(args.model, args.cluster)))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
 
 from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.adapter.metrics import PipelineMetrics, run_layout
+from lightning_bfpp.adapter.trace import PipelineTrace
 from lightning_bfpp.checkpoint import StorageNames
 from lightning_bfpp.hf import CausalLM
 
@@ -438,6 +439,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if cfg.logger.name == "wandb":
         callbacks.append(WandbRunId(loggers[0].version))
+    if bfpp and cfg.trace.enabled:  # Chrome/Perfetto traces and pictures of measured steps in <run dir>/traces
+        callbacks.append(PipelineTrace(run_dir / "traces", count=cfg.trace.count))
     trainer = L.Trainer(
         **trainer_arguments(cfg),
         accelerator=cfg.cluster.accelerator,

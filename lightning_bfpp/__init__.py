@@ -18,6 +18,7 @@ _LAZY = {
     "BFPPStrategy": "lightning_bfpp.strategy",
     "PipelineHooks": "lightning_bfpp.contract.hooks",
     "PipelineMetrics": "lightning_bfpp.adapter.metrics",
+    "PipelineTrace": "lightning_bfpp.adapter.trace",
     "ScheduleError": "lightning_bfpp.schedule",
     "ScheduleSpec": "lightning_bfpp.schedule",
     "build_schedule": "lightning_bfpp.schedule",

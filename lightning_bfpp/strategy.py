@@ -26,7 +26,6 @@ from ._private.lightning_api import (
     set_module_device_mesh,
     unwrap_optimizer,
 )
-from ._private.torch_api import check_compile
 from .adapter.collectives import ReplicaCollectives
 from .adapter.lightning_output import ParameterCount, adapt_lightning_output
 from .adapter.loader import check_split, check_training_loader
@@ -46,6 +45,7 @@ from .layout.mesh import build_expert_mesh, build_mesh, forget_groups, parameter
 from .layout.plan import LayoutPlan
 from .layout.stages import cut, parallelize
 from .layout.tensor_parallel import layer_plans
+from .runtime.cuda_graphs import check_runtime_options
 from .runtime.pipeline import PipelineRunner
 from .runtime.reduce import clip_grad_norm_on_mesh
 from .schedule import Schedule
@@ -97,6 +97,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         signal_checkpoint: where that checkpoint goes (default: Lightning's HPC checkpoint under SLURM or without a
             ModelCheckpoint, else ``last.ckpt`` in the ModelCheckpoint's folder).
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
+        cross_step_overlap: start the next step's first all-gathers right after each optimizer step (docs/settings.md).
+        cuda_graphs: capture each local stage's training forward and backward as CUDA graphs, one per micro-batch.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
     into any other layout; ``storage.names`` spells the settings storage errors name. See ``lightning_bfpp.checkpoint``.
@@ -121,7 +123,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
         signal_checkpoint: str | Path | None = None, async_save: bool = False, expert_parallel: int = 1,
-        context_parallel: int = 1,
+        context_parallel: int = 1, cross_step_overlap: bool = False, cuda_graphs: bool = False,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -133,6 +135,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
+        self.cuda_graphs = bool(cuda_graphs)
         self._fsdp_mixed_precision = False  # bf16-mixed through FSDP2's MixedPrecisionPolicy (set in setup)
         self.runner: PipelineRunner | None = None
         self.stage_layer_names: list[list[str]] = []
@@ -142,7 +145,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self.trust_checkpoints = bool(trust_checkpoints)
         check_on_signal(on_signal, signal_grace_s)
         self.on_signal, self.signal_grace_s, self.signal_checkpoint = on_signal, signal_grace_s, signal_checkpoint
-        self.async_save = bool(async_save)
+        self.async_save, self.cross_step_overlap = bool(async_save), bool(cross_step_overlap)
         self._saves = ckpt.BackgroundSaves()  # async_save: the save under way
         self.storage = ckpt.Storage()  # its saves' sizes; .names: how storage errors spell the settings (an app's keys)
 
@@ -225,6 +228,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self._saves.close()  # the save under way is written before anything ends
+        self.runner is not None and self.runner.settle()  # (cross_step_overlap: gathers held across a step boundary)
         code = self._job.stop()  # after a stop signal: the job's code (128 + N)
         super().teardown()
         if code is not None:
@@ -233,6 +237,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
     @override
     def on_train_start(self) -> None:
         """The start of every loop (the validation, test and predict loops' hooks are this one)."""
+        self._training.forget_parameters()
         self._job.claim_signals()  # Lightning installs its SIGTERM handler after setup_environment: the watchdog's
         self._check_batch = True  # go back on top; the loop's first batch is compared across a replica's ranks
 
@@ -262,7 +267,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         clip = partial(clip_grad_norm_on_mesh, mesh=parameter_mesh(self.dims, self.device_mesh),
                        sharded=self.dims.sharded, tied=self.tied)
         self.precision_plugin = pipeline_precision(self.precision_plugin, clip, self._fsdp_mixed_precision,
-                                                   self._training.before_optimizer_step)
+                                                   self._training.before_optimizer_step,
+                                                   self.runner.prefetch_next_step if self.cross_step_overlap else None)
 
     @property
     def _precision(self) -> str:
@@ -281,8 +287,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             self._contract_announced = True
             announce_contract(module, self.spec.pipeline_parallel, self.spec.micro_batches)
         stages = self.plan.check_model(module, layers)
-        if self.compile:
-            check_compile(self.root_device.type)
+        check_runtime_options(self.root_device.type, self.dims, compile_layers=self.compile,
+                              cuda_graphs=self.cuda_graphs, activation_checkpointing=self.activation_checkpointing)
         return stages
 
     def _build_pipeline(self, module) -> PipelineRunner:
@@ -304,7 +310,8 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
                                                  self.activation_checkpointing, self.compile, experts)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims, self.compile, say=rank_zero_info)
+                                      module.pipeline_loss, self.dims, self.compile, self.cuda_graphs,
+                                      say=rank_zero_info)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
@@ -317,6 +324,7 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
             raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not "
                             "supported.")
         trainer = self.lightning_module.trainer
+        self.runner is not None and self.runner.settle()
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         ckpt.save_trainer_checkpoint(
             Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],

@@ -2,21 +2,24 @@
 
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
 Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip, eval
-(validate/test/predict after fit), opt (sgd|adamw|adamw_groups), save (checkpoint folder written after fit),
-save_every + save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of
-training), fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch
-(an extra input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch
-index), own_batch (rank 1 alone changes its batch at that index), nonfinite (stop|skip), pid_dir (rank R writes its
-pid to pid_dir/rankR once step 1 runs, its global step to pid_dir/stepR after every batch, and pid_dir/exceptionR =
-"<global step> <error>" when its run raises), on_signal (save|exit) + grace (signal_grace_s), root (default_root_dir;
-default OUT_DIR/cfg<i>), async_save, step_sleep (seconds per batch), tied (StackNet with its input projection tied to a
-layer before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2),
-precision (Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s
-(that local rank sleeps before its process group exists), meta (true: built on the meta device by
+(validate/test/predict after fit), opt (sgd|adamw|adamw_groups), save (checkpoint folder written after fit), save_every
++ save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training),
+fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra
+input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index),
+own_batch (rank 1 alone changes its batch at that index), nonfinite (stop|skip), pid_dir (rank R writes its pid to
+pid_dir/rankR once step 1 runs, its global step to pid_dir/stepR after every batch, and pid_dir/exceptionR = "<global
+step> <error>" when its run raises), on_signal (save|exit) + grace (signal_grace_s), root (default_root_dir; default
+OUT_DIR/cfg<i>), async_save, step_sleep (seconds per batch), tied (StackNet with its input projection tied to a layer
+before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2), precision
+(Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local
+rank sleeps before its process group exists), meta (true: built on the meta device by
 trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
 (StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer), counted
 (about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)), disk_quota (save_dir holds at most
-that many bytes of checkpoint files, like a small disk: tests/full_disk.py).
+that many bytes of checkpoint files, like a small disk: tests/full_disk.py), timeline_trace (PipelineTrace of the last
+step into OUT_DIR/cfg<i>/traces; its files in the record's "traces" on rank 0), cross_step (cross_step_overlap; the
+record's "prefetches": the steps whose first gathers started early).
+
 Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
 gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
 "local_shapes", "losses", "stats", "fsdp_trace"}.
@@ -39,7 +42,7 @@ from full_disk import limited
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_bfpp import BFPPStrategy
+from lightning_bfpp import BFPPStrategy, PipelineTrace
 
 
 class Record(Callback):
@@ -164,10 +167,12 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         timeout=timedelta(seconds=cfg.get("timeout", 120)),
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
         on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"),
-        async_save=cfg.get("async_save", False),
+        async_save=cfg.get("async_save", False), cross_step_overlap=cfg.get("cross_step", False),
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]
+    if cfg.get("timeline_trace"):  # the last step's Chrome trace and picture (PipelineTrace) in OUT_DIR/traces
+        callbacks.append(PipelineTrace(out / "traces", count=1, skip=cfg.get("steps", 3) - 1))
     if cfg.get("save_every"):
         callbacks.append(ModelCheckpoint(dirpath=cfg["save_dir"], filename="{step}",
                                          every_n_train_steps=cfg["save_every"], save_top_k=-1))
@@ -214,7 +219,10 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     torch.save(
         {"params": params, "buffers": {n: b.detach().clone() for n, b in model.named_buffers()}, "local_shapes": local,
          "losses": record.losses, "skipped": record.skipped, "tied_history": record.tied_history,
-         "stats": strategy.step_stats, "fsdp_trace": record.events, "dtypes": _dtypes(strategy, record.grad_dtypes),
+         "stats": strategy.step_stats, "fsdp_trace": record.events,
+         "traces": [str(p) for c in callbacks if isinstance(c, PipelineTrace) for p in c.written],
+         "prefetches": strategy.runner.prefetches,
+         "dtypes": _dtypes(strategy, record.grad_dtypes),
          **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__,
          "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)]},
         out / f"rank{trainer.global_rank}.pt",

@@ -247,6 +247,10 @@ CHECKS = [  # (overrides, what the error must say)
     (["model=gpt_moe_tiny", "schedule.sharding=none", "schedule.expert_parallel=2"],
      "schedule.expert_parallel=2 with schedule.sharding='none'"),
     (["model=gpt_moe_tiny", "schedule.expert_parallel=0"], "schedule.expert_parallel=0 must be a positive integer"),
+    (["schedule.cross_step_overlap=maybe"], "schedule.cross_step_overlap='maybe' must be true or false"),
+    (["schedule.cuda_graphs=true"], "schedule.cuda_graphs=true needs a CUDA device (cluster=cpu_4 is cpu)"),
+    (["trace.enabled=yes"], "trace.enabled='yes' must be true or false"),
+    (["trace.count=0"], "trace.count=0 must be an integer >= 1"),
 ]
 ACCEPTED = [
     [], ["+trainer.max_epochs=1", "+trainer.limit_train_batches=5"], ["trainer.precision=bf16-mixed"],
@@ -257,6 +261,8 @@ ACCEPTED = [
     ["trainer.max_steps=-1", "+trainer.max_epochs=2"],  # epoch-bounded training
     ["checkpoint.on_signal=exit", "checkpoint.on_signal_grace_s=10", "ckpt_path=null", "checkpoint.async_save=true"],
     ["model=gpt_moe_tiny", "schedule.expert_parallel=2"],
+    ["schedule.cross_step_overlap=true", "trace.enabled=true", "trace.count=1"],
+    ["cluster=gpu_8", "schedule.cuda_graphs=true", "schedule.sharding=none"],
 ]
 
 

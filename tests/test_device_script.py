@@ -43,6 +43,26 @@ def test_device_script_dry_run_writes_every_part(tmp_path):
     assert "gpu:" in proc.stdout and "P2 breadth_first" in proc.stdout  # the short table
 
 
+@pytest.mark.slow
+def test_device_script_big_part_dry_run_names_the_cuda_graphs_setting_on_cpu(tmp_path):
+    """The big part (issue 53: a compute-bound model, the plain loop and bfpp at m = 1, 4, 8, eager, compiled and
+    with CUDA graphs) in its dry run: every eager and compiled variant runs, and cuda_graphs=True is refused on CPU
+    naming the setting."""
+    out = tmp_path / "big.json"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "device.sh"), "--dry-run", "--parts", "big",
+                           "--budget-scale", "4", "--out", str(out), "--work", str(tmp_path / "work")],
+                          env=clean_env(PY=sys.executable), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    big = json.loads(out.read_text())["parts"]["big"]
+    assert big["status"] == "ok", big["status"]
+    variants = big["variants"]
+    for m in (1, 4, 8):
+        for mode in ("eager", "compiled"):
+            assert variants[f"raw m={m} {mode}"]["step_s"] > 0 and variants[f"bfpp m={m} {mode}"]["step_s_over_raw"] > 0
+        assert "cuda_graphs=True (Hydra: schedule.cuda_graphs=true) needs a CUDA device" in \
+            variants[f"bfpp m={m} cuda_graphs"]["refused_on_cpu"]
+
+
 def test_timeline_on_cuda_times_with_events_not_launches(monkeypatch):
     """On a CUDA device the compute timeline records CUDA events (a kernel runs after its launch returns) and turns
     them into seconds once, at the step's end. Checked here with events whose times we set."""

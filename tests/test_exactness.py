@@ -50,10 +50,13 @@ WORLD4 = [
     {"pp": 2, "loops": 2, "m": 2, "counted": True, "accumulate": 2, "clip": 0.05},
     {"pp": 2, "loops": 1, "m": 4, "schedule": "1f1b", "counted": True},
     {"pp": 2, "loops": 2, "m": 2, "counted": True, "sharding": "none", "tied": True},
+    # cross-step overlap: the next step's first all-gathers start right after the optimizer step (FSDP over dp=2), a
+    # validation in between (val_check_interval=2) and clipping
+    {"pp": 2, "loops": 2, "m": 2, "cross_step": True, "eval": True, "clip": 0.05},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
-    {"pp": 2, "loops": 2, "m": 2},
+    {"pp": 2, "loops": 2, "m": 2, "timeline_trace": True},  # its last step as a Chrome trace (test_trace_*)
     {"pp": 1, "loops": 1, "m": 2},
     {"pp": 1, "loops": 2, "m": 2},
     {"pp": 2, "loops": 2, "m": 4, "schedule": "depth_first", "accumulate": 2, "clip": 0.05},
@@ -76,6 +79,7 @@ WORLD2 = [
     {"pp": 2, "loops": 2, "m": 4, "schedule": "breadth_first_zb", "counted": True},
     {"pp": 2, "loops": 2, "m": 4, "groups": 2, "counted": True, "accumulate": 2},
     {"pp": 1, "loops": 1, "m": 4, "counted": True},
+    {"pp": 1, "loops": 2, "m": 4, "cross_step": True, "accumulate": 2},  # cross-step overlap, accumulating
 ]
 # Same model and batch under each schedule, for saved-activation memory (checked for exactness too).
 MEMORY = {
@@ -149,6 +153,16 @@ def test_matches_single_process_reference(runs, devices, cfg):
     _check_against_reference(ranks, cfg, devices)
 
 
+@pytest.mark.parametrize("devices,cfg", [(4, c) for c in WORLD4 if c.get("cross_step")]
+                         + [(2, c) for c in WORLD2 if c.get("cross_step")], ids=lambda v: None)
+def test_cross_step_overlap_gathers_the_next_steps_first_stages_early(runs, devices, cfg):
+    """With cross_step_overlap the next step's first all-gathers started after the optimizer step, on every rank,
+    before each optimizer step but the last (the end of the run settles them); the weights match one process
+    (test_matches_single_process_reference)."""
+    ranks = runs(devices)[({4: WORLD4, 2: WORLD2}[devices]).index(cfg)]
+    assert [r["prefetches"] for r in ranks] == [STEPS] * devices
+
+
 @pytest.mark.parametrize("cfg", [c for c in WORLD2 if c.get("counter")], ids=lambda c: "ac" if c.get("ac") else "plain")
 def test_layer_state_is_updated_once_per_micro_batch_and_never_by_shape_inference(runs, cfg):
     """A layer's buffers updated in training-mode forwards (BatchNorm's running statistics, counters) see each
@@ -215,6 +229,37 @@ def test_step_stats_hold_every_ranks_timeline(runs):
         for t in table.values():
             assert 0 < t["compute_s"] <= t["step_s"]
             assert t["bubble_fraction"] == (t["step_s"] - t["compute_s"]) / t["compute_s"]
+
+
+def test_trace_of_a_measured_step_is_trace_event_json_whose_busy_time_is_the_bubble(runs):
+    """PipelineTrace on a 2-process run (pp=2 x loops=2): the last step's file is the Chrome trace event JSON that
+    Perfetto opens (an object of complete "X" events and "M" names, microseconds), holding every rank's forward and
+    backward passes and the sends, receives, all-gathers and reductions its runtime ran; from it, each rank's busy
+    fraction (compute over the step) agrees with that step's ``step_stats`` bubble within 0.02, and the picture of
+    the measured step beside the planned one is written."""
+    import json
+    from pathlib import Path
+
+    from lightning_bfpp.runtime.trace import busy_fractions
+
+    ranks = runs(2)[next(i for i, c in enumerate(WORLD2) if c.get("timeline_trace"))]
+    (path,) = map(Path, ranks[0]["traces"])
+    assert path.name == f"step{STEPS}.json" and path.with_suffix(".png").stat().st_size > 0
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    assert trace["displayTimeUnit"] == "ms" and {e["ph"] for e in events} == {"X", "M"}
+    for e in events:
+        assert isinstance(e["pid"], int) and isinstance(e["name"], str)
+        if e["ph"] == "X":
+            assert isinstance(e["tid"], int) and e["ts"] >= 0 and e["dur"] >= 0, e
+    kinds = {(e["pid"], e["cat"]) for e in events if e["ph"] == "X"}
+    for rank in (0, 1):
+        assert {(rank, k) for k in ("forward", "backward", "all-gather", "gradient reduction", "send activation",
+                                    "receive activation", "send gradient", "receive gradient")} <= kinds
+    busy = busy_fractions(trace)
+    for rank, record in enumerate(ranks):
+        bubble = record["stats"]["timeline"][rank]["bubble_fraction"]  # idle / busy over the same step
+        assert abs(busy[rank] - 1 / (1 + bubble)) <= 0.02, (rank, busy[rank], bubble)
 
 
 def test_activation_meter_does_not_count_fsdp_gathered_weights(runs):

@@ -1,4 +1,5 @@
 """Planner: its pick beats every fixed schedule's best, respects memory, and prints train.py overrides."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -239,3 +240,19 @@ def test_the_paper_model_plans_sequence_parallel_at_340_tokens_per_gpu():
     assert best.tokens_per_second_per_device >= 340, best
     whole = search(model, cluster, 64, sequence_parallels=(False,), **space)[0]
     assert whole.tokens_per_second_per_device < 340 <= best.tokens_per_second_per_device, whole
+
+
+def test_the_planner_searches_cross_step_overlap_where_the_host_time_between_steps_hides_a_gather():
+    """A calibrated CPU cluster (host time between steps measured): with cross_step_overlaps=(False, True) the best
+    sharded layout overlaps its first gather and the plan's command line says so; without host time it gains nothing
+    here and the layouts are the ones found without searching it."""
+    model, cluster = _load("gpt_tiny", "cpu_2_calibrated")
+    plans = search(model, cluster, 8, top=3, shardings=["full"], cross_step_overlaps=(False, True))
+    best = plans[0]
+    assert best.candidate.cross_step_overlap and "schedule.cross_step_overlap=true" in best.candidate.overrides()
+    without = next(p for p in plans if p.candidate == dataclasses.replace(best.candidate, cross_step_overlap=False))
+    r = simulate_candidate(model, cluster, best.candidate)
+    assert best.step_time == pytest.approx(r.step_time) and best.step_time < without.step_time
+    free = dataclasses.replace(cluster, step_overhead=0.0)
+    assert [p.candidate for p in search(model, free, 8, top=3, shardings=["full"], cross_step_overlaps=(False, True))] \
+        == [p.candidate for p in search(model, free, 8, top=3, shardings=["full"])]

@@ -124,3 +124,20 @@ def test_torch_before_2_13_p2p_warmup_skips_stages_on_the_same_rank():
     stage = SimpleNamespace(group_rank=0, _get_init_p2p_neighbors_ops=lambda: ops)
     no_p2p_warmup_to_itself(stage)
     assert [op.group_peer for op in stage._get_init_p2p_neighbors_ops()] == [1, 1]
+
+
+def test_the_runtimes_action_ranges_are_opened_only_under_a_profiler():
+    """torch's runtime wraps every action in ``record_function``: bfpp skips it when no profiler listens (a few
+    microseconds an action, for nothing), and a running profiler still records each action's range."""
+    import torch
+    from torch.distributed.pipelining import schedules
+    from torch.profiler import ProfilerActivity, profile
+
+    import lightning_bfpp._private.pipelining  # noqa: F401  (installs the check)
+
+    with schedules.record_function("PP:0F0") as handle:
+        assert handle is None  # nothing opened
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with schedules.record_function("PP:0F0"):
+            torch.ones(2).sum()
+    assert "PP:0F0" in {e.name for e in prof.events()}

@@ -73,6 +73,22 @@ def test_prefetch_hides_all_gather_and_reduce_overlaps():
     assert blocking.step_time > r.step_time
 
 
+def test_cross_step_overlap_hides_the_first_gather_behind_the_host_time_between_steps():
+    """With the next step's first all-gathers started right after the optimizer step, the step is shorter by the host
+    time between steps that is not already hidden behind the first rank's last reduction (0.5 here: the gather cannot
+    start before it), at most the first rank's wait for its first gather (0.5)."""
+    spec = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
+    sched = build_schedule(spec)
+    for overhead, gain in ((0.2, 0.0), (0.7, 0.2), (3.0, 0.5), (0.0, 0.0)):
+        costs = dataclasses.replace(unit_costs(4, 2, unshard=0.5, reduce=0.5), step_overhead=overhead)
+        plain, overlapped = simulate(sched, costs), simulate(sched, costs, SimOptions(cross_step_overlap=True))
+        assert plain.cross_step_gain == pytest.approx(gain) and overlapped.step_time == pytest.approx(
+            plain.step_time - gain)
+        assert overlapped.peak_memory == plain.peak_memory
+    unsharded = dataclasses.replace(unit_costs(4, 2, sharding="none"), step_overhead=1.0)
+    assert simulate(sched, unsharded).cross_step_gain == 0.0  # nothing to gather
+
+
 def test_megatron_like_waits_for_reduction_at_end():
     spec = ScheduleSpec("depth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     costs = unit_costs(4, 2, reduce=0.5, p2p=0.1, sharding="none")

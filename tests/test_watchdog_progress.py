@@ -91,3 +91,22 @@ def test_a_stopped_watchdog_lets_the_process_exit_cleanly():
 
     assert run("with-join", 3) == [(0, False)] * 3
     assert run("without-join", 1) == [(-6, True)]  # the test can fail
+
+
+def test_one_process_reads_its_own_save_request_without_the_store():
+    """on_signal="save" in one process: the signal's save request is this process's own, so the training step reads it
+    from the watching thread, not through a store round trip on every step; it saves from the request's step on."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        watchdog = Watchdog(0, 1, interval=0.05, save_grace_s=lambda signum: 30.0)
+        watchdog.start()
+        store, reads = watchdog._store, []
+        watchdog._store = SimpleNamespace(check=lambda *args: reads.append(args) or False)  # the training step's
+        watchdog.progress(3)
+        assert watchdog.save_requested(3) is None
+        assert watchdog._ask_for_save(store.clone(), 15)  # what the watching thread does on SIGTERM at step 3
+        assert watchdog.save_requested(4) is None and watchdog.save_requested(5) == 15 and reads == []
+        watchdog._store = store
+        watchdog.stop(finished=True)
+    finally:
+        dist.destroy_process_group()

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
 
 from ..contract.layer_io import buffers_kept
 from ..contract.step_totals import shape_inference
-from ..schedule import Op, Schedule
+from ..schedule import COMPUTE_OPS, Op, Schedule
 from .versions import check_version
 
 check_version("torch")
@@ -32,6 +33,33 @@ if not (
         f"lightning-bfpp needs torch.distributed.pipelining's schedule runtime with UNSHARD/RESHARD/REDUCE_GRAD "
         f"actions (tested on torch 2.13); this is torch {torch.__version__}. Install torch>=2.13,<2.14."
     )
+
+
+
+class _NoRange:
+    """What `record_function` is when no profiler listens: nothing."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NO_RANGE = _NoRange()
+_record_function = _torch_schedules.record_function
+
+
+def _ranges_only_when_profiling(name: str, args: str | None = None):
+    """torch's runtime opens a profiler range (``record_function("PP:0F1")``) around every action, which costs a few
+    microseconds each (two dispatcher calls) whether or not a profiler listens: a sizeable part of a small
+    micro-batch's host time. The range is opened as before while torch's profiler runs (``torch.profiler.profile``,
+    ``torch.autograd.profiler.profile``), and skipped otherwise. Public alternative checked: none (the call is inside
+    ``_step_microbatches``)."""
+    return _record_function(name, args) if torch.autograd._profiler_enabled() else _NO_RANGE
+
+
+_torch_schedules.record_function = _ranges_only_when_profiling
 
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,
@@ -127,7 +155,7 @@ def no_p2p_warmup_to_itself(stage: PipelineStage) -> None:
 
 def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, Any], None],
                        enabled: Callable[[], bool], clock: Callable[[], Any] = time.perf_counter) -> None:
-    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"/"W"; the clock before and after) around each
+    """Call ``record(kind, micro_batch, clock(), clock())`` ("F"/"B"/"I"/"W"; the clock before and after) around each
     forward, backward (or its input-gradient part) and weight-gradient part the runtime runs on `stage` while
     ``enabled()``. Why here: it wraps the PipelineStage methods the private runtime calls
     (``forward_one_chunk``/``backward_one_chunk``). Public alternatives checked: module forward hooks (miss the
@@ -142,8 +170,8 @@ def time_stage_compute(stage: PipelineStage, record: Callable[[str, int, Any, An
             t0 = clock()
             try:
                 return _inner(mb, *args, **kwargs)
-            finally:
-                record(_kind, mb, t0, clock())
+            finally:  # a backward without its weight gradients (full_backward=False) is zero bubble's input pass
+                record("I" if _kind == "B" and kwargs.get("full_backward") is False else _kind, mb, t0, clock())
 
         setattr(stage, name, timed)
 
@@ -159,3 +187,109 @@ def after_reduce_grad(stage: PipelineStage, callback: Callable[[], None]) -> Non
         callback()
 
     stage.perform_reduce_grad = reduce_after
+
+
+_OUR_OP = {torch_op: op for op, torch_op in _TORCH_OP.items()}
+
+
+class RankActions(list):
+    """One rank's action list for torch's runtime (``_step_microbatches`` iterates its rank's list once per step).
+
+    - While ``enabled()``, it times each action: the runtime runs action i between taking it from the list and asking
+      for action i + 1, so ``record(op, stage, micro_batch, start, end)`` gets every action's span (``op`` an `Op`; a
+      compute action's span includes its wait for its input and its gathered weights). Public alternative checked:
+      the ``record_function`` ranges torch's runtime puts around each action, which need the profiler on.
+    - ``skip``: the positions of actions the next step leaves out, once (UNSHARDs issued before the step began,
+      ``prefetch_first_gathers``)."""
+
+    def __init__(self, actions: list[Any], record: Callable[..., None], enabled: Callable[[], bool],
+                 clock: Callable[[], Any]) -> None:
+        super().__init__(actions)
+        self._record, self._enabled, self._clock = record, enabled, clock
+        self.skip: frozenset[int] = frozenset()
+
+    def __iter__(self):
+        return self._steps() if self.skip or self._enabled() else super().__iter__()
+
+    def _steps(self):
+        skip, self.skip = self.skip, frozenset()
+        timed = self._enabled()
+        previous, start = None, None
+        for i, action in enumerate(list.__iter__(self)):
+            if i in skip:
+                continue
+            if timed:
+                now = self._clock()
+                if previous is not None:
+                    self._record(*_named(previous), start, now)
+                previous, start = action, now
+            yield action
+        if previous is not None:
+            self._record(*_named(previous), start, self._clock())
+
+
+def _named(action: Any) -> tuple[Op, int, int | None]:
+    return _OUR_OP[action.computation_type], action.stage_index, action.microbatch_index
+
+
+def time_actions(runtime: Any, record: Callable[..., None], enabled: Callable[[], bool],
+                 clock: Callable[[], Any] = time.perf_counter) -> None:
+    """Time every action `runtime` (from ``build_runtime``) runs on this rank (see `RankActions`)."""
+    order = runtime.pipeline_order_with_comms
+    order[runtime.rank] = RankActions(order[runtime.rank], record, enabled, clock)
+
+
+def _fsdp_units(stage: PipelineStage) -> list[FSDPModule]:
+    return [m for m in stage.submod.modules() if isinstance(m, FSDPModule)]
+
+
+def prefetch_first_gathers(runtime: Any, stages: list[PipelineStage]) -> bool:
+    """Issue now the all-gathers of the UNSHARD actions that open this rank's action list (before its first compute),
+    as the runtime issues them (FSDP2 ``unshard(async_op=True)``), and hand their handles to `runtime`: its next step
+    waits on them before its first compute on those stages and leaves those UNSHARDs out. Needs the list of
+    `time_actions`. Returns whether a gather was issued (stages not sharded by FSDP have none). Public alternative
+    checked: torch's runtime issues a step's gathers inside ``step`` only."""
+    order = runtime.pipeline_order_with_comms[runtime.rank]
+    by_index = {stage.stage_index: stage for stage in stages}
+    issued = set()
+    for i, action in enumerate(order):
+        if _OUR_OP[action.computation_type] in COMPUTE_OPS:
+            break
+        if action.computation_type != _TORCH_OP[Op.UNSHARD]:
+            continue  # a receive posted before the first compute
+        units = _fsdp_units(by_index[action.stage_index])
+        if units:
+            runtime.unshard_ops[action.stage_index].extend(unit.unshard(async_op=True) for unit in units)
+            issued.add(i)
+    order.skip = frozenset(issued)
+    return bool(issued)
+
+
+def settle_prefetched(runtime: Any, stages: list[PipelineStage]) -> None:
+    """Undo `prefetch_first_gathers` before anything but `runtime`'s next step uses those stages (an evaluation, a
+    checkpoint, another runtime): wait for the gathers, free the gathered weights, and run the UNSHARDs again."""
+    order = runtime.pipeline_order_with_comms[runtime.rank]
+    by_index = {stage.stage_index: stage for stage in stages}
+    for i in order.skip:
+        stage = order[i].stage_index
+        for handle in runtime.unshard_ops.pop(stage, []):
+            handle.wait()
+        for unit in _fsdp_units(by_index[stage]):
+            unit.reshard()
+    order.skip = frozenset()
+
+
+def on_micro_batch(stage: PipelineStage, set_micro_batch: Callable[[int | None], None]) -> None:
+    """Call ``set_micro_batch(mb)`` before and ``set_micro_batch(None)`` after each forward the runtime runs on
+    `stage` (``forward_one_chunk``; torch's shape inference and evaluation calls in between see None). Public
+    alternative checked: a module forward pre-hook does not see the micro-batch index."""
+    inner = stage.forward_one_chunk
+
+    def forward(mb, *args, **kwargs):
+        set_micro_batch(mb)
+        try:
+            return inner(mb, *args, **kwargs)
+        finally:
+            set_micro_batch(None)
+
+    stage.forward_one_chunk = forward

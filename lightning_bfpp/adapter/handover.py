@@ -27,14 +27,17 @@ class GradHandover:
         """Around the schedule: gradients of earlier accumulation batches are set aside (kept out of the
         schedule's 1/m scaling), the fresh ones parked afterwards, and the earlier ones put back."""
         previous = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        earlier = any(g is not None for g in previous)  # none in the first batch of an accumulation window
+        if earlier:
+            for p in params:
+                p.grad = None
         try:
             yield
             self.fresh = [(p, p.grad) for p in params]
         finally:
             for p, g in zip(params, previous):
-                p.grad = g
+                if earlier or g is not p.grad:
+                    p.grad = g
 
     def drop(self) -> None:
         """Hand nothing over (a skipped batch); parameters without gradients are not stepped."""

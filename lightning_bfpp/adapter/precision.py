@@ -20,12 +20,14 @@ class PipelinePrecision(Precision):
     - ``forward_context``: none when the stages' FSDP2 MixedPrecisionPolicy already computes in bf16
       (`fsdp_mixed`, "bf16-mixed" with sharded stages); the plugin's own (autocast) otherwise.
     - ``optimizer_step``: `finish_gradients(optimizer)` runs right after the closure (the last backward before the
-      step), before ``on_before_optimizer_step`` and clipping see the gradients (the loss rule, ``adapter.training``).
+      step), before ``on_before_optimizer_step`` and clipping see the gradients (the loss rule, ``adapter.training``);
+      `after_step()` right after the optimizer's step (cross-step overlap: the next step's first gathers start).
     """
 
     clip_norm: ClipNorm | None = None
     fsdp_mixed: bool = False
     finish_gradients: Callable[[Any], None] | None = None
+    after_step: Callable[[], None] | None = None
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         def closure_then_finish() -> Any:
@@ -34,7 +36,10 @@ class PipelinePrecision(Precision):
                 self.finish_gradients(optimizer)
             return result
 
-        return super().optimizer_step(optimizer, model, closure_then_finish, **kwargs)
+        result = super().optimizer_step(optimizer, model, closure_then_finish, **kwargs)
+        if self.after_step is not None:
+            self.after_step()
+        return result
 
     def forward_context(self) -> AbstractContextManager:
         return nullcontext() if self.fsdp_mixed else super().forward_context()
@@ -48,7 +53,8 @@ _SUBCLASSES: dict[type, type] = {Precision: PipelinePrecision}
 
 
 def pipeline_precision(plugin: Precision, clip_norm: ClipNorm, fsdp_mixed: bool,
-                       finish_gradients: Callable[[Any], None] | None = None) -> PipelinePrecision:
+                       finish_gradients: Callable[[Any], None] | None = None,
+                       after_step: Callable[[], None] | None = None) -> PipelinePrecision:
     """`plugin` (its state, e.g. the precision string and device) as a `PipelinePrecision`: a new instance of
     ``Pipeline<PluginClass>`` (one subclass per plugin class); a plugin that already is one is updated."""
     if not isinstance(plugin, PipelinePrecision):
@@ -60,4 +66,5 @@ def pipeline_precision(plugin: Precision, clip_norm: ClipNorm, fsdp_mixed: bool,
         copy.__dict__.update(vars(plugin))
         plugin = copy
     plugin.clip_norm, plugin.fsdp_mixed, plugin.finish_gradients = clip_norm, fsdp_mixed, finish_gradients
+    plugin.after_step = after_step
     return plugin

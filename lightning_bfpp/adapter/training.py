@@ -42,6 +42,11 @@ class TrainingStep:
         self.counted = False  # whether the last batch's loss counted its items (a (loss_sum, num_items) loss)
         self.sum_scale = 1.0  # counted items: what makes the parked gradients those of the batch's loss sums
         self.window_items: float | None = None  # counted items: those of the batches handed over since the last step
+        self._params: list[torch.nn.Parameter] | None = None  # the module's parameters, read once per run
+
+    def forget_parameters(self) -> None:
+        """At the start of a run (fit, validate, ...): the module's parameters are read again at its first step."""
+        self._params = None
 
     def run(self, module: LightningModule, runner: PipelineRunner, batch: Any, batch_idx: int | None, *,
             dims: ParallelDims, device: torch.device, tied: Any, optimizers: list,
@@ -51,7 +56,9 @@ class TrainingStep:
         compares the batch across a replica's ranks when due; `on_last_stage(fn)` runs the user's
         ``pipeline_train_metrics`` where the outputs are."""
         inputs, target = training_batch(module, batch)
-        params = [p for p in module.parameters() if p.requires_grad]
+        if self._params is None:  # walking the module tree costs more than the rest of a small step's bookkeeping
+            self._params = list(module.parameters())
+        params = [p for p in self._params if p.requires_grad]  # (a callback may freeze or unfreeze layers)
         train_metrics = getattr(module, "pipeline_train_metrics", None)
         self.measured_step = measure = measure_now(module.trainer, self.measure_every_n_steps)
         check_batch((inputs, target), measure)

@@ -167,11 +167,13 @@ class Watchdog:
         """The signal that asked for a save at `step` (an optimizer step boundary every rank checks), else None.
 
         The rank that got the signal asks for a save at its step + 2: every other rank is at most one step ahead of
-        it (each step's collectives need all ranks), so each reads the request here at that step, and all save there."""
+        it (each step's collectives need all ranks), so each reads the request here at that step, and all save there.
+        One process has no peer to agree with: it reads the request its own watching thread posted (no store round
+        trip on every training step)."""
         if self.save_grace_s is None:
             return None
         try:
-            request = self.posts.posted_save(self._store)
+            request = self._save_request if self.world_size == 1 else self.posts.posted_save(self._store)
         except Exception:  # the store is gone: the watching thread ends this rank
             return None
         if request is None:

@@ -69,8 +69,14 @@ class StageModule(nn.Module):
         if self.index == 0 and self._side_inputs is not None:  # the inputs the first layer takes (contract.hooks)
             out = self._calls[0].leading_inputs(out)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        order = ", ".join(c.name for c in self._calls)
         for i, call in enumerate(self._calls):
+            if side is None and not recompute and isinstance(out, torch.Tensor):  # the common case, kept short: a
+                try:  # layer's output is the next layer's one argument (the host time of a step is a point here)
+                    out = call.layer(out)
+                    continue
+                except Exception as error:
+                    self._note_where(error, call, args, (out,), {})
+                    raise
             if isinstance(out, dict) and call.keywords is not None and not set(out) <= call.keywords:
                 raise TypeError(
                     f"bfpp: layer {self._calls[i - 1].name if i else '(stage input)'} of stage {self.index} returned "
@@ -84,22 +90,28 @@ class StageModule(nn.Module):
                 # saved-activation meter counts them) and re-runs layer(*inputs) in backward
                 out = checkpoint(call.layer, *inputs, use_reentrant=False, context_fn=call.recompute_contexts, **kw) \
                     if recompute else call.layer(*inputs, **kw)
-            except Exception as error:  # say where in the pipeline, and what came in (e.g. a new sequence length)
-                keywords = f", keywords {', '.join(kw)}" if kw else ""
-                error.add_note(
-                    f"bfpp: in layer {call.name} of stage {self.index} (pipeline rank {self.rank}; layers "
-                    f"{order}); stage input {describe(args)}, layer input {describe(inputs)}{keywords}"
-                )
+            except Exception as error:
+                self._note_where(error, call, args, inputs, kw)
                 raise
+        if _passes_between_stages(out):
+            return out
         if not self.last:
             check_boundary(out, f"layer {call.name}, the last of stage {self.index} (pipeline rank {self.rank}),")
-        elif not _passes_between_stages(out):
+        else:
             raise TypeError(
                 f"bfpp: layer {call.name} of stage {self.index} returned {describe_structure(out)}: the last layer "
                 "must return a tensor or a tuple of tensors (what pipeline_loss receives); return a tuple in a fixed "
                 "order instead of a dict, or wrap the layer."
             )
         return out
+
+    def _note_where(self, error: Exception, call: LayerCall, args: tuple, inputs: Sequence[Any],
+                    kw: dict[str, Any]) -> None:
+        """Say where in the pipeline a layer failed, and what came in (e.g. a new sequence length)."""
+        keywords = f", keywords {', '.join(kw)}" if kw else ""
+        order = ", ".join(c.name for c in self._calls)
+        error.add_note(f"bfpp: in layer {call.name} of stage {self.index} (pipeline rank {self.rank}; layers {order}); "
+                       f"stage input {describe(args)}, layer input {describe(inputs)}{keywords}")
 
 
 def _passes_between_stages(value: Any) -> bool:

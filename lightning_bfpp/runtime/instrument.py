@@ -13,19 +13,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .._private.pipelining import time_stage_compute
+from .._private.pipelining import time_actions, time_stage_compute
 from .._private.torch_api import compiled_graph_count, dtensor_local
 from ..layout.mesh import local_tensor
 
 
 class Timeline:
     """Wraps PipelineStage compute calls and records (kind, stage, micro_batch, start, end) while `enabled`, in
-    seconds of ``time.perf_counter``. On a CUDA `device` the marks are CUDA events on the current stream (a kernel
-    runs after its launch returns: host clocks would time the launches), turned into seconds at ``stats``, after
-    waiting for the step's last event only."""
+    seconds of ``time.perf_counter``; with ``attach_runtime`` also every action the runtime runs (``actions``: the op's
+    name, stage, micro_batch, start, end; sends, receives, gathers and reductions among them). On a CUDA `device` the
+    marks are CUDA events on the current stream (a kernel runs after its launch returns: host clocks would time the
+    launches), turned into seconds at ``stats``, after waiting for the step's last event only."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.events: list[tuple[str, int, int, Any, Any]] = []
+        self.actions: list[tuple[str, int, int | None, Any, Any]] = []
+        self.span: tuple[float, float] | None = None  # the last measured step's start and end (seconds)
         self.enabled = True
         self.cuda = device is not None and device.type == "cuda"
 
@@ -37,21 +40,33 @@ class Timeline:
         event.record()
         return event
 
+    def clear(self) -> None:
+        self.events.clear()
+        self.actions.clear()
+
     def attach(self, stage) -> None:
         def record(kind: str, micro_batch: int, start: Any, end: Any) -> None:
             self.events.append((kind, stage.stage_index, micro_batch, start, end))
 
         time_stage_compute(stage, record, lambda: self.enabled, self.clock)
 
+    def attach_runtime(self, runtime) -> None:
+        def record(op, stage: int, micro_batch: int | None, start: Any, end: Any) -> None:
+            self.actions.append((op.value, stage, micro_batch, start, end))
+
+        time_actions(runtime, record, lambda: self.enabled, self.clock)
+
     def stats(self, step_start: Any, step_end: Any) -> dict[str, float]:
         """Busy time, span and bubble of the step between the marks `step_start` and `step_end` (from ``clock``);
-        CUDA events become perf_counter seconds here (``events`` then hold seconds, as on CPU)."""
+        CUDA events become perf_counter seconds here (``events`` and ``actions`` then hold seconds, as on CPU)."""
         if self.cuda:
             step_end.synchronize()
             host = time.perf_counter() - step_start.elapsed_time(step_end) / 1e3  # step_start on the host clock
             seconds = lambda e: host + step_start.elapsed_time(e) / 1e3  # noqa: E731
             self.events = [(k, s, mb, seconds(a), seconds(b)) for k, s, mb, a, b in self.events]
+            self.actions = [(k, s, mb, seconds(a), seconds(b)) for k, s, mb, a, b in self.actions]
             step_start, step_end = host, seconds(step_end)
+        self.span = (step_start, step_end)
         busy = sum(e[4] - e[3] for e in self.events)
         span = step_end - step_start
         return {"compute_s": busy, "step_s": span, "bubble_fraction": (span - busy) / busy if busy else 0.0}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._private.pipelining import build_runtime
+from .._private.pipelining import build_runtime, prefetch_first_gathers, settle_prefetched
 from ..contract.context_parallel import sharding
 from ..contract.hooks import loss_parts
 from ..contract.layer_io import BOUNDARY_RULE
@@ -25,6 +25,8 @@ from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
 from ..schedule.dims import CP, PP, Names, ParallelDims, micro_batch_size
 from .context_parallel import ContextParallel
+from .cuda_graphs import attach as attach_graphs
+from .cuda_graphs import capture_stages
 from .grad_sync import BucketedAllReduce
 from .instrument import CompileCounter, SavedActivationMeter, Timeline, local_bytes
 
@@ -105,6 +107,7 @@ class PipelineRunner:
         dims: ParallelDims | None = None,
         dp_group: dist.ProcessGroup | None = None,
         context: ContextParallel | None = None,
+        cuda_graphs: bool = False,
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -131,14 +134,18 @@ class PipelineRunner:
             "schedule=breadth_first (groups=1) or gpipe, or leave the whole-step loss out "
             "(output_router_logits=False).")
         self.message_bytes = 0  # the largest activation message this rank sends (a stage's output, but the last's)
-        for s, module in modules.items():
-            if s != spec.num_stages - 1:
-                module.register_forward_hook(self._count_message)
+        # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
+        self._side_inputs = any(getattr(m, "_side_inputs", None) for m in modules.values())
+        self._last_train: tuple[Any, list] | None = None  # the runtime (and its stages) of the last training step
+        self._prefetched: tuple[Any, list] | None = None  # a runtime whose next step's first gathers are out
+        self.prefetches = 0  # steps whose first gathers started before them (cross-step overlap)
+        self.graphs = capture_stages(modules) if cuda_graphs else None  # CUDA graphs of the training passes
 
     @classmethod
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
                 loss_fn: Callable[[Any, Any], torch.Tensor], dims: ParallelDims,
-                compiled: bool = False, say: Callable[[str], Any] = print) -> PipelineRunner:
+                compiled: bool = False, cuda_graphs: bool = False,
+                say: Callable[[str], Any] = print) -> PipelineRunner:
         """A runner over the `mesh` of the layout `dims`: p2p over its pipeline group; gradients all-reduced over its
         data-parallel (x context-parallel) group unless the stages are sharded (FSDP2 reduce-scatters them); under
         context parallel each step runs on this rank's share of every sequence (`say` names attention's path)."""
@@ -149,7 +156,7 @@ class PipelineRunner:
         if context is not None:
             say(f"bfpp: context_parallel={dims.context_parallel}: attention by {context.attention}")
         return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims, dp_group,
-                   context)
+                   context, cuda_graphs)
 
     def _sum_over_replicas(self, t: torch.Tensor) -> None:
         if self.dp_group is not None:
@@ -183,10 +190,13 @@ class PipelineRunner:
             schedule = self.schedules["train"] if mode == "train" else self._forward_schedule(batch_rows(inputs))
             loss_fn = None if mode == "predict" else self.loss_fn
             runtime, stages = build_runtime(schedule, self.modules, self.device, self.pp_group, loss_fn)
+            self.timeline.attach_runtime(runtime)
             for stage in stages:
                 self.timeline.attach(stage)
                 if self.grad_sync is not None and mode == "train":
                     self.grad_sync.attach(stage)
+                if self.graphs is not None and mode == "train":
+                    attach_graphs(self.graphs, stage)
             self._runtimes[key] = (runtime, stages)
         return self._runtimes[key][0]
 
@@ -200,17 +210,21 @@ class PipelineRunner:
             inputs, target = self.context.split(inputs, "the inputs"), self.context.split(target, "the target")
             shard = self.context.shard
         runtime = self._runtime(mode, inputs)
+        if self._prefetched is not None and self._prefetched[0] is not runtime:
+            self.settle()  # the gathers were for another runtime's step (an evaluation, another batch shape)
+        self._prefetched = None
+        if mode == "train":
+            self._last_train = self._runtimes[(mode, _shape_key(inputs))]
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         losses: list[torch.Tensor] = []
         self.loss_fn.items.clear()
-        self.timeline.events.clear()
+        self.timeline.clear()
         start = self.timeline.clock() if self.timeline.enabled else None  # (a CUDA event: no sync unmeasured)
-        # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
-        side = input_kwargs(inputs) if any(getattr(m, "_side_inputs", None) for m in self.modules.values()) else {}
+        side = input_kwargs(inputs) if self._side_inputs else {}
         try:
             if mode == "train":
                 batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
-                with self.meter.track(exclude=batch) if self.timeline.enabled else nullcontext(), \
+                with self._measured(batch) if self.timeline.enabled else nullcontext(), \
                         step_totals(StepTotals(self._sum_over_replicas, self._not_forwards_first)), sharding(shard):
                     out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs, **side)
             else:
@@ -224,6 +238,35 @@ class PipelineRunner:
         if self.context is not None and (mode != "train" or keep_outputs):
             out = self.context.whole(out)  # whole sequences for the user's step and metrics
         return out, losses
+
+    def prefetch_next_step(self) -> None:
+        """Cross-step overlap, right after the optimizer step: the next training step's first all-gathers (the
+        UNSHARDs before this rank's first compute) start now, overlapping what runs between the steps (the rest of
+        the optimizer hooks, callbacks, logging, the next batch's loading); the gathered weights are held across the
+        step boundary. Anything but that step settles them first (``settle``)."""
+        if self._last_train is not None and prefetch_first_gathers(*self._last_train):
+            self._prefetched = self._last_train
+            self.prefetches += 1
+
+    def settle(self) -> None:
+        """Wait for and free prefetched gathers (before an evaluation, a checkpoint, the end of a run)."""
+        if self._prefetched is not None:
+            settle_prefetched(*self._prefetched)
+            self._prefetched = None
+
+    @contextmanager
+    def _measured(self, batch: list[torch.Tensor]) -> Iterator[None]:
+        """A measured training step: saved activations counted, and the activation messages (outputs of every stage
+        but the last) sized. Unmeasured steps pay for neither (a forward hook alone puts a module's calls on
+        torch's slower path)."""
+        hooks = [module.register_forward_hook(self._count_message) for s, module in self.modules.items()
+                 if s != self.spec.num_stages - 1]
+        try:
+            with self.meter.track(exclude=batch):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     def train_step(self, inputs: Any, target: Any, keep_outputs: bool = False,
                    measure: bool = True) -> tuple[StepLoss | None, Any]:

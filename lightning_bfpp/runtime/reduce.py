@@ -66,7 +66,13 @@ def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device) 
     tensor-parallel rank; the others pass None): (the mean micro-batch loss averaged over replicas and context-parallel
     shards, None), or for counted items (``StepLoss.items``) (the mean over every counted item of the global batch,
     their number; 0 when none counts: each context-parallel rank counts the targets of its own shard, so summing counts
-    every target once). One all-reduce over the world."""
+    every target once). One all-reduce over the world; one process shares nothing (no collective, and no host sync for
+    a mean loss)."""
+    if loss is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if loss.items is None:
+            return loss.value.detach().float(), None
+        items = float(loss.items)
+        return (loss.value.detach().double() / max(items, 1.0)).float(), items
     t = torch.zeros(3, dtype=torch.float64, device=device)
     if loss is not None:
         t[0] = loss.value.detach().double()

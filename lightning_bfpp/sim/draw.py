@@ -53,20 +53,61 @@ def _spec_title(spec: ScheduleSpec) -> str:
 
 
 def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: int | None) -> Path:
+    if not events:
+        raise ValueError("nothing to draw: the timeline is empty (record it with simulate(..., timeline=True)).")
+    return _figure([(events, title + (f"\n{stats}" if stats else ""))], path, num_stages)
+
+
+def draw_measured(measured: Sequence, planned: SimResult, path: str | Path, *, title: str = "",
+                  num_stages: int | None = None) -> Path:
+    """The planned step (`planned`, e.g. the schedule simulated with the stage times measured) above the measured one
+    (`measured`: `Event`s of every rank, seconds from the step's start), on one time axis, to a PNG."""
+    if not measured:
+        raise ValueError("nothing to draw: the measured timeline is empty.")
+    spec = planned.schedule.spec
+    end = max(e.end for e in measured)
+    busy = sum(e.end - e.start for e in measured if e.kind in "FBIW")
+    ranks = len({e.rank for e in measured})
+    panels = [(planned.timeline, f"planned: {_spec_title(spec)}\nstep {planned.step_time:.4g} s   bubble "
+                                 f"{planned.bubble:.3f}"),
+              (measured, f"measured{': ' + title if title else ''}\nstep {end:.4g} s   bubble "
+                         f"{(ranks * end - busy) / busy if busy else 0.0:.3f}")]
+    return _figure(panels, Path(path), num_stages or spec.num_stages)
+
+
+def _figure(panels: Sequence[tuple[Sequence, str]], path: Path, num_stages: int | None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    if not events:
-        raise ValueError("nothing to draw: the timeline is empty (record it with simulate(..., timeline=True)).")
+    ranks = max(len({e.rank for e in events}) for events, _ in panels)
+    end = max(e.end for events, _ in panels for e in events)
+    computes = max(sum(1 for e in events if e.kind in "FBIW") for events, _ in panels)
+    width = min(max(8.0, 0.25 * computes / max(ranks, 1)), 40.0)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, len(panels) * (1.0 + 0.9 * ranks)), squeeze=False)
+    n_stages = num_stages or (max(e.stage for events, _ in panels for e in events) + 1)
+    for ax, (events, title) in zip(axes[:, 0], panels):
+        _lanes(ax, events, n_stages, end)
+        ax.set_title(title, fontsize=10)
+    _legend(axes[0, 0], n_stages)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _colours(n_stages: int):
+    import matplotlib.pyplot as plt
+
+    return plt.get_cmap("tab10" if n_stages <= 10 else "tab20")
+
+
+def _lanes(ax, events: Sequence, n_stages: int, end: float) -> None:
+    """One compute lane per rank and a thin comm lane under it, on `ax`."""
     ranks = sorted({e.rank for e in events})
-    n_stages = num_stages or (max(e.stage for e in events) + 1)
-    cmap = plt.get_cmap("tab10" if n_stages <= 10 else "tab20")
-    end = max(e.end for e in events)
-    width = min(max(8.0, 0.25 * sum(1 for e in events if e.kind in "FBIW") / max(len(ranks), 1)), 40.0)
-    fig, ax = plt.subplots(figsize=(width, 1.0 + 0.9 * len(ranks)))
+    cmap = _colours(n_stages)
     lane, comm_h = 0.55, 0.3  # heights of the compute box and of a comm bar
     comm_style = {"UNSHARD": ("#3b7dd8", 0), "REDUCE": ("#d8563b", 1), "SEND_F": ("#888888", 2),
                   "SEND_B": ("#888888", 2)}
@@ -91,7 +132,12 @@ def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: in
     ax.set_xlim(0, end * 1.01)
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlabel("time")
-    ax.set_title(title + (f"\n{stats}" if stats else ""), fontsize=10)
+
+
+def _legend(ax, n_stages: int) -> None:
+    from matplotlib.patches import Patch
+
+    cmap = _colours(n_stages)
     handles = [Patch(facecolor=cmap(s % cmap.N), label=f"stage {s}") for s in range(min(n_stages, 20))]
     handles += [Patch(facecolor="white", edgecolor="black", label="forward (light)"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="backward (dark, hatched)"),
@@ -99,8 +145,3 @@ def _render(events: Sequence, path: Path, title: str, stats: str, num_stages: in
                 Patch(facecolor="#3b7dd8", label="all-gather (FSDP)"), Patch(facecolor="#d8563b", label="grad reduce"),
                 Patch(facecolor="#888888", label="p2p send")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -51,11 +51,16 @@ class Candidate:
     cache: int = 0  # stages kept gathered under residency="cache"
     expert_parallel: int = 1  # data-parallel ranks splitting each MoE layer's experts
     context_parallel: int = 1  # ranks sharing every sequence (each holds 1/cp of it)
+    cross_step_overlap: bool = False  # the next step's first all-gathers start right after the optimizer step
 
     @property
     def gradient_replicas(self) -> int:
         """Ranks sharing each parameter's state and gradient: dp x cp."""
         return self.data_parallel * self.context_parallel
+
+    def options(self, options: SimOptions) -> SimOptions:
+        """`options` as this candidate runs (its cross-step overlap)."""
+        return replace(options, cross_step_overlap=self.cross_step_overlap)
 
     def spec(self) -> ScheduleSpec:
         return ScheduleSpec(self.schedule, pipeline_parallel=self.pipeline_parallel, loops=self.loops,
@@ -85,6 +90,7 @@ class Candidate:
         out += ["schedule.sequence_parallel=true"] if self.sequence_parallel else []
         out += [f"schedule.expert_parallel={self.expert_parallel}"] if self.expert_parallel > 1 else []
         out += [f"schedule.context_parallel={self.context_parallel}"] if self.context_parallel > 1 else []
+        out += ["schedule.cross_step_overlap=true"] if self.cross_step_overlap else []
         out += [f"model={model}"] if model else []
         out += [f"cluster={cluster}"] if cluster else []
         out += [f"data.batch_size={batch_size}"] if batch_size else []
@@ -223,7 +229,7 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
                        options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
                        *, timeline: bool = False) -> SimResult:
-    return simulate(candidate_schedule(c), candidate_costs(model, cluster, c), options, timeline=timeline)
+    return simulate(candidate_schedule(c), candidate_costs(model, cluster, c), c.options(options), timeline=timeline)
 
 
 def memory_lower_bound(c: Candidate, costs: Costs) -> float:
@@ -253,7 +259,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
 def _family(c: Candidate) -> tuple:
     """A candidate up to its memory-for-speed knobs (groups, reshard after forward, residency)."""
     return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding,
-            c.tensor_parallel, c.sequence_parallel, c.expert_parallel, c.context_parallel)
+            c.tensor_parallel, c.sequence_parallel, c.expert_parallel, c.context_parallel, c.cross_step_overlap)
 
 
 def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
@@ -290,6 +296,7 @@ def search(
     options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
     top: int = 10,
     include_unfit: bool = False,
+    cross_step_overlaps: Sequence[bool] = (False,),
     **space: Any,
 ) -> list[Plan]:
     """Simulate the candidates; return plans sorted best first (fitting ones only unless include_unfit).
@@ -302,7 +309,9 @@ def search(
     step-time lower bound cannot reach the `top`-th best fitting plan so far, so the first `top` plans are the true
     best `top` (the rest of the list is incomplete). `space`: the search-space keywords of
     `candidates` (schedules, loops, shardings, max_micro_batches, ...); `options` says how the runtime waits
-    (e.g. `SimOptions(blocking_reduce=True)` on CPU).
+    (e.g. `SimOptions(blocking_reduce=True)` on CPU). `cross_step_overlaps`: (False, True) also tries each candidate
+    with cross-step overlap (``SimOptions.cross_step_overlap``; taken from the same simulation: it shortens the step by
+    its ``cross_step_gain`` and holds no more memory than the step's peak), kept where it gains anything.
     """
     plans: list[Plan] = []
     settled: set[tuple] = set()  # families whose fastest variant fits
@@ -329,12 +338,16 @@ def search(
             bar = leaders[0] if len(leaders) == keep else 0.0
         if fits or include_unfit:
             plans.append(Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits))
+            if True in cross_step_overlaps and r.cross_step_gain > 0 and not options.cross_step_overlap:
+                step = r.step_time - r.cross_step_gain
+                plans.append(Plan(replace(c, cross_step_overlap=True), r.tokens_per_step / step / (
+                    c.pipeline_parallel * c.tensor_parallel), step, r.peak_memory, fits))
     plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_second_per_device, 6), p.peak_memory,
                               p.candidate.micro_batches, p.candidate.loops, p.candidate.pipeline_parallel))
     for p in plans[:top]:
         build_schedule(p.candidate.spec())  # validator: raises ScheduleError on a broken schedule
-        r = evaluate(candidate_schedule(p.candidate), candidate_costs(model, cluster, p.candidate), options,
-                     timeline=False)
+        r = evaluate(candidate_schedule(p.candidate), candidate_costs(model, cluster, p.candidate),
+                     p.candidate.options(options), timeline=False)
         p.bubble, p.exposed_comm = r.pipeline_bubble, r.exposed_comm
     return plans
 

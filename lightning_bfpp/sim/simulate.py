@@ -29,12 +29,19 @@ class SimOptions:
             same stage's next micro-batch; DualPipe's and Megatron's combined 1F1B overlap a forward with another
             micro-batch's backward the same way); only what that compute does not cover is exposed. Off: every
             all-to-all is on the critical path (the runtime today).
+        cross_step_overlap: the runtime's ``cross_step_overlap``: the step's first all-gathers started right after
+            the previous optimizer step (once every rank's last compute is done and the first rank's gradients are
+            reduced) instead of at this step's start, so they overlap what separates the two: the host time between
+            steps (``Costs.step_overhead``, taken to follow the optimizer step) and other ranks' last reductions. The
+            step is shorter by that head start, at most the first rank's wait for its first gather
+            (``SimResult.cross_step_gain``). Steady state: every step follows another.
     """
 
     blocking_p2p: bool = False
     reduce_at_end: bool = False
     blocking_reduce: bool = False
     expert_overlap: bool = False
+    cross_step_overlap: bool = False
 
 
 MEGATRON = SimOptions(blocking_p2p=True, reduce_at_end=True)
@@ -64,6 +71,7 @@ class SimResult:
     pipeline_bubble: float | None = None  # bubble of the same step with free communication
     comm_free_step_time: float | None = None
     tensor_parallel: int = 1  # devices per simulated pipeline rank (tp x cp)
+    cross_step_gain: float = 0.0  # seconds cross-step overlap takes (or would take) off the step
 
     @property
     def bubble(self) -> float:
@@ -91,10 +99,11 @@ class SimResult:
 
 class _Rank:
     __slots__ = ("rank", "program", "pc", "host", "ag_free", "rs_free", "nic", "ag_stage", "ready", "busy", "deferred",
-                 "mem", "grads")
+                 "mem", "grads", "first_compute")
 
     def __init__(self, rank: int, program):
         self.rank, self.program, self.pc = rank, program, 0
+        self.first_compute: float | None = None  # when the rank's first compute starts
         self.host = self.ag_free = self.rs_free = self.busy = 0.0
         self.nic = 0.0  # time the rank's network interface is free of collectives (inter-node transfers only)
         self.ag_stage = -1  # stage of the last inter-node all-gather
@@ -248,6 +257,8 @@ class _Play:
             if self.full and s not in r.grads:
                 r.grads.add(s)
                 r.mem.append((t0, st.grad_bytes * st.gathered_params, "gradients"))
+        if r.first_compute is None:
+            r.first_compute = t0
         r.host = t0 + dur
         r.busy += compute
         if self.events is not None:
@@ -317,8 +328,16 @@ class _Play:
                 for r in self.ranks]
         spec = self.schedule.spec
         memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
-        return SimResult(self.schedule, max(ends), self.events or [], [r.busy for r in self.ranks], memory,
-                         self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel)
+        step = max(ends)
+        # Cross-step overlap: the first rank's first forward waits for its gathered weights (its input is the batch);
+        # issued right after the optimizer step, that gather starts once every rank's last compute is done (the
+        # shared loss) and the first rank's gradients are reduced (its update), not at the next step's start
+        first = self.ranks[0]
+        started = max(max(r.host for r in self.ranks), first.rs_free)
+        gain = max(0.0, min(first.first_compute or 0.0, step - started))
+        step -= gain if self.options.cross_step_overlap else 0.0
+        return SimResult(self.schedule, step, self.events or [], [r.busy for r in self.ranks], memory,
+                         self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel, cross_step_gain=gain)
 
 
 def _static_bytes(stages: list[int], costs: Costs) -> float:

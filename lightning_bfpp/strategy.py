@@ -30,9 +30,8 @@ from .adapter.collectives import ReplicaCollectives
 from .adapter.lightning_output import ParameterCount, adapt_lightning_output
 from .adapter.loader import check_split, check_training_loader
 from .adapter.precision import pipeline_precision
-from .adapter.same_batch import check_same_batch
-from .adapter.steps import run_on_last_stage, user_step
 from .adapter.training import TrainingStep
+from .adapter.user_steps import PipelineSteps
 from .contract.hooks import built_in_configure_model, check_callbacks, check_module, check_precision
 from .contract.source_notes import announce_contract
 from .job.guard import JobGuard, as_timeout, rendezvous
@@ -49,10 +48,9 @@ from .runtime.cuda_graphs import check_runtime_options
 from .runtime.pipeline import PipelineRunner
 from .runtime.reduce import clip_grad_norm_on_mesh
 from .schedule import Schedule
-from .schedule.dims import DP, PP
 
 
-class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
+class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning. Every setting is
     checked before any process starts; docs/settings.md describes each in full.
 
@@ -380,44 +378,6 @@ class BFPPStrategy(ReplicaCollectives, ModelParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _run_user_step(self, method) -> tuple[Any, list[str]]:
-        """`method()` on the ranks holding the last stage; its logs replayed and its result returned on every
-        rank (see ``lightning_bfpp.adapter.steps``)."""
-        assert self.runner is not None
-        pp_mesh, dp_mesh = self.device_mesh[PP], self.device_mesh[DP]
-
-        def on_last_stage() -> Any:
-            with self.last_stage_step():  # its barrier / broadcast over the ranks that run it
-                return method()
-
-        return run_on_last_stage(self.lightning_module, on_last_stage, self.runner.has_last_stage, pp_mesh.get_group(),
-                                 self.spec.pipeline_parallel - 1, dp_mesh.get_group(), self.root_device)
-
-    def _same_batch(self, batch: Any, where: str) -> None:
-        """The first batch of every loop and each measured training step: the same on the ranks of a replica."""
-        self._check_batch = False
-        check_same_batch(batch, where, self.dims, self.root_device)
-
-    def _user_step(self, step: str, context, args: tuple, kwargs: dict) -> Any:
-        assert self.runner is not None
-        if self._check_batch:
-            self._same_batch(kwargs.get("batch", args[0] if args else None), step.removesuffix("_step"))
-        with context():
-            return user_step(self.lightning_module, self.runner, step, args, kwargs, self._run_user_step)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._user_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._user_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """What the user's predict_step returns, on every rank (shared over the pipeline group)."""
-        return self._user_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
 
 check_precision_first(BFPPStrategy, check_precision)  # Trainer(precision="16-mixed") names bf16-mixed, not 16-true

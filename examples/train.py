@@ -313,13 +313,13 @@ def main(cfg: DictConfig) -> dict | None:
             rundir.release(lock)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    env_before = dict(os.environ)
+    env_before, argv_before = dict(os.environ), list(sys.argv)
     launches_children = "LOCAL_RANK" not in os.environ and not os.environ.get("SLURM_NTASKS")
     if launches_children and world_size(cfg) > 1:
         prepare_relaunch()
     try:
         return train(cfg, run_dir)
-    finally:  # a multirun runs the next job in this process: leave no W&B run, process group or launcher env behind
+    finally:  # a multirun runs the next job in this process: leave no W&B run, process group, launcher env or argv
         import torch.distributed as dist
 
         if "wandb" in sys.modules and sys.modules["wandb"].run is not None:
@@ -329,6 +329,7 @@ def main(cfg: DictConfig) -> dict | None:
         if launches_children:
             os.environ.clear()
             os.environ.update(env_before)
+            sys.argv[:] = argv_before  # prepare_relaunch's: the next job's folder reads the sweep from it
         if lock is not None:
             rundir.release(lock)
 

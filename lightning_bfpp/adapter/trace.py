@@ -86,8 +86,8 @@ class PipelineTrace(Callback):
 def measured_events(records: dict[int, dict], dims) -> list[Event]:
     """The simulator's `Event`s of the measured step, one lane per pipeline rank (the first replica's first tp rank,
     as the plan draws one replica): compute passes, and the gathers, reductions and sends under them."""
-    lanes = {rank: dims.coordinates(rank).pipeline for rank in records
-             if dims.coordinates(rank).data == 0 and dims.coordinates(rank).tensor == 0}
+    lanes = {rank: dims.coordinates(rank).pipeline for rank in records  # one rank per pipeline rank
+             if dims.coordinates(rank)[1:] == (0, 0, 0)}  # replica, tensor- and context-parallel rank 0
     events = []
     for rank, pipeline in lanes.items():
         record = records[rank]

@@ -44,9 +44,14 @@ class _Measured:
     """The planner's model interface (``sim.planner.candidates``/``search``) over measured `Layers` (tp = 1)."""
 
     n_head = vocab = 1  # tensor parallel is not searched: tp=1 divides them
+    n_experts = 0  # nor expert parallel (layout="auto" refuses expert_parallel > 1)
 
     def __init__(self, layers: Layers) -> None:
         self.measured = layers
+        self.seq = layers.seq  # nor context parallel: cp=1 divides it
+
+    def layer_expert_params(self, tensor_parallel: int = 1) -> list[int]:
+        return [0] * len(self.measured)
 
     @property
     def num_layers(self) -> int:

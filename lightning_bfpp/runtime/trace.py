@@ -44,9 +44,10 @@ def chrome_trace(records: dict[int, dict[str, Any]], dims: ParallelDims, *, step
     """The Chrome trace of one measured step from every rank's `rank_record` ({global rank: record})."""
     events: list[dict[str, Any]] = []
     for rank, record in sorted(records.items()):
-        pipeline, data, tensor = dims.coordinates(rank)
-        where = f"pipeline {pipeline}, replica {data}, tp {tensor}" if dims.tensor_parallel > 1 else \
-            f"pipeline {pipeline}, replica {data}"
+        at = dims.coordinates(rank)
+        where = f"pipeline {at.pipeline}, replica {at.data}"
+        where += (f", cp {at.context}" if dims.context_parallel > 1 else "") + \
+            (f", tp {at.tensor}" if dims.tensor_parallel > 1 else "")
         label = f"rank {rank} ({where})"
         events += [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}},
                    {"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}}]

@@ -285,8 +285,9 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
             self._contract_announced = True
             announce_contract(module, self.spec.pipeline_parallel, self.spec.micro_batches)
         stages = self.plan.check_model(module, layers)
-        check_runtime_options(self.root_device.type, self.dims, compile_layers=self.compile,
-                              cuda_graphs=self.cuda_graphs, activation_checkpointing=self.activation_checkpointing)
+        if self.compile or self.cuda_graphs:  # (the device is known once the Trainer has set the strategy up)
+            check_runtime_options(self.root_device.type, self.dims, compile_layers=self.compile,
+                                  cuda_graphs=self.cuda_graphs, activation_checkpointing=self.activation_checkpointing)
         return stages
 
     def _build_pipeline(self, module) -> PipelineRunner:

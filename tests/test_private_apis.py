@@ -15,7 +15,8 @@ from lightning_bfpp._private.versions import ALLOW_UNTESTED, SUPPORTED, check_ve
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "lightning_bfpp"
-BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightning_api.py"}  # lightning_bfpp/_private/
+BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightning_api.py",
+           "_private/ring_attention.py"}  # lightning_bfpp/_private/
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
                       "_Action", "_ComputationType", "_device_mesh", "_data_source", "_max_depth",

@@ -38,8 +38,8 @@ def test_progress_is_published_by_the_watching_thread_not_the_caller():
 def test_ranks_saying_why_at_once_never_share_a_line():
     """Four ranks print why the job stops into one pipe at the same moment: every message is one whole line (two
     messages written in pieces can interleave as `[rank 0] ... SIGINT[rank 1] ... SIGINT`, hiding rank 1's)."""
-    code = ("import sys; from lightning_bfpp.job.ending import say_stop\n"
-            "for _ in range(3000): say_stop(int(sys.argv[1]), 'rank 0 got SIGINT')\n")
+    code = ("import sys; from lightning_bfpp.job.ending import say\n"  # (say_stop says one reason once per rank)
+            "for _ in range(3000): say(int(sys.argv[1]), 'the job stops because rank 0 got SIGINT')\n")
     # unbuffered (as the tests launch jobs, and many clusters do), print() writes text and newline apart
     read, write = os.pipe()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -61,7 +61,7 @@ class _Measured:
         return list(self.measured.params)
 
     def layers(self, cluster: Cluster | None = None, tensor_parallel: int = 1,
-               sequence_parallel: bool = False) -> Layers:
+               sequence_parallel: bool = False, context_parallel: int = 1) -> Layers:
         return self.measured
 
 

@@ -253,8 +253,8 @@ def page(lines: list[str]) -> str:
         "- **SP**: the same with `sequence_parallel=True`.",
         "",
         "Otherwise the cell gives the reason. Mixture-of-experts experts stay whole on every tensor-parallel rank "
-        "(their plan is expert parallel, not yet supported: issue #50); routers and experts are computed on the "
-        "gathered sequence under sequence parallel.",
+        "(expert parallel splits them instead: `expert_parallel`, docs/mixture_of_experts.md); routers and experts "
+        "are computed on the gathered sequence under sequence parallel.",
         "",
         f"**{counts['PP']} of {total} families pass PP, {counts['TP']} TP, {counts['SP']} SP.**",
         "",

@@ -4,9 +4,9 @@ model's name, plus ``lm_head``) as lightning_bfpp's per-layer plans (torch Paral
 modules are the model's own, so an export still loads into the Hugging Face class.
 
 Every style of transformers' dense and attention plans is translated (``STYLES``); mixture-of-experts styles keep the
-experts whole on every tensor-parallel rank (expert parallel is issue #50). A block of a decoder layer (attention, MLP)
-whose weights are all split is "split"; one holding weights the plan keeps whole (a router, experts, a norm over a
-gathered projection, a latent projection) is computed whole where its input is whole."""
+experts whole on every tensor-parallel rank (expert parallel splits them: ``layout.experts``). A block of a decoder
+layer (attention, MLP) whose weights are all split is "split"; one holding weights the plan keeps whole (a router,
+experts, a norm over a gathered projection, a latent projection) is computed whole where its input is whole."""
 from __future__ import annotations
 
 from fnmatch import fnmatch
@@ -38,7 +38,7 @@ from .tp_probe import SHARDED, partial_weights
 
 COLWISE = ("colwise", "unit_colwise", "colwise_gather_output", "colwise_rep")  # read a block's input, split by outputs
 ROWWISE = ("rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep")  # make a block's output from split inputs
-KEPT_WHOLE = ("replicate", "moe_tp_experts", "packed_colwise", "packed_rowwise")  # experts: expert parallel (#50)
+KEPT_WHOLE = ("replicate", "moe_tp_experts", "packed_colwise", "packed_rowwise")  # experts: see layout.experts
 STYLES = (*COLWISE, *ROWWISE, "embedding_rowwise", "embedding_colwise", "replicated_with_grad_allreduce",
           "mla_kv_a_proj", "local_params", *KEPT_WHOLE)
 HANDLED = (*COLWISE, *ROWWISE, "embedding_rowwise", "embedding_colwise", "local_params")  # a block's split weights

@@ -60,15 +60,20 @@ def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _check(procs: list[subprocess.Popen], timeout: float) -> None:
-    """Wait for the processes the launch started (killed after `timeout` seconds, as subprocess.run does); raise, with
-    their errors and the end of their output, if one failed."""
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Every process's output once all have exited (all killed after `timeout` seconds, as subprocess.run does)."""
     try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         raise
+
+
+def _check(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for the processes the launch started (``wait_all``); raise, with their errors and the end of their output,
+    if one failed."""
+    outputs = wait_all(procs, timeout)
     for p, out in zip(procs, outputs):
         if p.returncode:
             errors = "\n".join(line for line in out.splitlines() if "Error:" in line or "Exception:" in line)

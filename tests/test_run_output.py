@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import ROOT
+from launch import ROOT, wait_all
 from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
 from procenv import clean_env, free_port
 
@@ -38,13 +38,7 @@ def without_threads(**extra: str) -> dict[str, str]:
 
 def finish(procs: list[subprocess.Popen], out: Path, timeout: float = 400) -> tuple[str, list[dict]]:
     """Every process's output (joined) and every rank's record, once all have exited 0."""
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise
-    output = "\n".join(outputs)
+    output = "\n".join(wait_all(procs, timeout))
     assert all(p.returncode == 0 for p in procs), output[-6000:]
     return output, [json.loads((out / f"rank{r}.json").read_text()) for r in range(DEVICES)]
 

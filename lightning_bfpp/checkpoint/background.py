@@ -7,10 +7,24 @@ there, and its error is raised at the next step boundary (``raise_failure``): th
 newest complete one."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def raising_as_told(failed: Callable[[BaseException], BaseException]) -> Iterator[None]:
+    """A save's failure (any exception: torch's CheckpointException is one) passed through `failed` (its clean-up),
+    and what that returns raised instead, chained to it (the error itself when `failed` keeps it)."""
+    try:
+        yield
+    except BaseException as error:
+        told = failed(error)
+        if told is error:
+            raise
+        raise told from error
 
 
 class BackgroundSaves:
@@ -50,14 +64,9 @@ class BackgroundSaves:
         group = self._group
 
         def complete() -> None:
-            try:
+            with raising_as_told(failed):
                 upload.result()
                 finish(group)
-            except BaseException as error:  # torch's CheckpointException is one
-                told = failed(error)
-                if told is error:
-                    raise
-                raise told from error
 
         self._pending = self._executor.submit(complete)
 

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import storage as disk
-from .background import BackgroundSaves
+from .background import BackgroundSaves, raising_as_told
 from .errors import save_error, size_text
 from .manifest import META_FILE, hash_files, newest_note, write_manifest
 from .partial import clean_partial_saves
@@ -69,14 +69,9 @@ def save(path: Path, state: dict[str, Any], meta: dict[str, Any], background: Ba
         _finish(path, tmp, meta_bytes.getvalue(), meta.get("global_step"), group, storage)
 
     if background is None:
-        try:
+        with raising_as_told(failed):
             dcp.save(state, storage_writer=disk.CheckpointWriter(tmp))
             finish(None)
-        except BaseException as error:  # torch's CheckpointException is one
-            told = failed(error)
-            if told is error:
-                raise
-            raise told from error
     else:
         background.start(lambda group: dcp.async_save(state, storage_writer=disk.CheckpointWriter(tmp),
                                                       process_group=group), finish, failed)

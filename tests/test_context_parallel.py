@@ -40,6 +40,8 @@ FAST = {
     # every layer attends within a window of 4 tokens, shorter than a chunk (16 / 4): only chunk ends are gathered
     "hf-mistral-pp2-cp2": {"model": "hf", "family": "mistral", "cp": 2},
     "gpt-packed-pp2-cp2": {"model": "gpt", "packed": True, "pp": 2, "cp": 2, "m": 2},
+    # the example's mixture of experts with its router loss: the routing statistics summed over every shard
+    "gpt-moe-pp2-cp2": {"model": "gpt", "moe": True, "pp": 2, "cp": 2, "m": 2},
     # the saved activations of a cp=1 layout with the same micro-batches (its replica loads 8 samples too)
     "gpt-pp2-dp2-batch16": {"model": "gpt", "pp": 2, "m": 2, "batch": 16},
     # AdamW, 4 steps saving at step 2 at cp=2, resumed from step 2 at cp=1 (dp 2)
@@ -96,7 +98,8 @@ def _check(records: list[dict], cfg: dict, devices: int) -> None:
         return
     if cfg["model"] == "gpt":
         ref = gpt_reference(STEPS, [dp] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
-                            batch=cfg.get("batch", BATCH), ignored=cfg.get("ignored", False))
+                            batch=cfg.get("batch", BATCH), ignored=cfg.get("ignored", False),
+                            moe=cfg.get("moe", False))
         _compare(records, ref, EXACT)
         return
     model, losses, _ = hf_reference(cfg["family"], dp, attn=cfg.get("attn", "sdpa"), kv_heads=cfg.get("kv_heads", 1),

@@ -106,7 +106,8 @@ CHECKPOINT_CONNECTOR_LOGGER = "lightning.pytorch.trainer.connectors.checkpoint_c
 def check_precision_first(strategy_class: type, check: Callable[[str], None]) -> None:
     """``Trainer(strategy=<a strategy_class>, precision=...)`` runs `check(precision)` before Lightning's own
     precision check (``_AcceleratorConnector._validate_precision_choice``), which answers "16-mixed" under any
-    ModelParallelStrategy with a list holding "16-true" (refused by bfpp too). Every other strategy gets Lightning's
+    ModelParallelStrategy with a list holding "16-true" (refused by bfpp too), and refuses "64-true", which bfpp runs
+    (Lightning's DoublePrecision plugin: float64 parameters and inputs). Every other strategy gets Lightning's
     check alone. Public alternative checked: none; the Trainer checks the precision before any strategy hook runs
     (the strategy object is known by then: ``_init_strategy`` comes first)."""
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -118,6 +119,8 @@ def check_precision_first(strategy_class: type, check: Callable[[str], None]) ->
     def validate_precision_choice(connector: Any) -> None:
         if isinstance(getattr(connector, "strategy", None), strategy_class):
             check(str(connector._precision_flag))
+            if str(connector._precision_flag) == "64-true":  # Lightning's other checks are of fp16 and bitsandbytes
+                return
         lightning_check(connector)
 
     validate_precision_choice.checks_first = strategy_class  # type: ignore[attr-defined]

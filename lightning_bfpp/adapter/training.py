@@ -70,7 +70,9 @@ class TrainingStep:
                 tied.sum_gradients()
             if dims.tensor_parallel > 1:
                 grads_like_params(params)
-        loss, items = share_loss(loss, dims, device)  # from the last-stage ranks
+        # from the last-stage ranks; float32, or float64 where the parameters are (precision="64-true")
+        loss_dtype = torch.promote_types(torch.float32, params[0].dtype) if params else torch.float32
+        loss, items = share_loss(loss, dims, device, loss_dtype)
         self.counted = items is not None
         self.sum_scale = float(runner.spec.micro_batches * dims.gradient_replicas)  # averaged over dp x cp
         if measure:

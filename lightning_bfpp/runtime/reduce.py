@@ -61,18 +61,20 @@ def _replicated(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device) -> tuple[torch.Tensor, float | None]:
+def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float | None]:
     """A training step's loss on every rank, from the ranks holding the last stage (one per replica, context- and
     tensor-parallel rank; the others pass None): (the mean micro-batch loss averaged over replicas and context-parallel
     shards, None), or for counted items (``StepLoss.items``) (the mean over every counted item of the global batch,
     their number; 0 when none counts: each context-parallel rank counts the targets of its own shard, so summing counts
-    every target once). One all-reduce over the world; one process shares nothing (no collective, and no host sync for
-    a mean loss)."""
+    every target once). Summed in float64, returned as `dtype` (the run's floating type: float64 under
+    precision="64-true", so no rank rounds it to float32). One all-reduce over the world; one process shares nothing
+    (no collective, and no host sync for a mean loss)."""
     if loss is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         if loss.items is None:
-            return loss.value.detach().float(), None
+            return loss.value.detach().to(dtype), None
         items = float(loss.items)
-        return (loss.value.detach().double() / max(items, 1.0)).float(), items
+        return (loss.value.detach().double() / max(items, 1.0)).to(dtype), items
     t = torch.zeros(3, dtype=torch.float64, device=device)
     if loss is not None:
         t[0] = loss.value.detach().double()
@@ -82,8 +84,8 @@ def share_loss(loss: StepLoss | None, dims: ParallelDims, device: torch.device) 
         dist.all_reduce(t)
     total, items, counted = (t / dims.tensor_parallel).tolist()  # each tp rank holds the same loss
     if not counted:
-        return (t[0] / (dims.gradient_replicas * dims.tensor_parallel)).float(), None
-    return (t[0] / dims.tensor_parallel / max(items, 1.0)).float(), items
+        return (t[0] / (dims.gradient_replicas * dims.tensor_parallel)).to(dtype), None
+    return (t[0] / dims.tensor_parallel / max(items, 1.0)).to(dtype), items
 
 
 def clip_grad_norm_on_mesh(params: Iterable[nn.Parameter], max_norm: float, *, mesh: DeviceMesh, sharded: bool,

@@ -83,16 +83,21 @@ def shard_experts(experts: Iterable[nn.Module], expert_mesh: DeviceMesh, data_pa
     """FSDP2 over the experts' copies (``expert_mesh[EDP]``), each experts module its own unit, gathered once per
     stage pass like its stage (the runtime's UNSHARD and RESHARD actions reach every FSDP unit of a stage). Their
     gradients are divided by the whole `data_parallel` size, as every other weight's (FSDP would divide by the
-    copies only; each rank's expert gradient already sums the tokens of its ep group)."""
+    copies only; each rank's expert gradient already sums the tokens of its ep group): reduced by a plain sum (gloo
+    has no pre-multiplied sum), then divided once, by this module's hook on the reduced gradient.
+    NOTE torch 2.13: FSDP's own divide factor divides twice over a group of one rank (a single copy) whenever it
+    reduces by a sum, as it always does for float64 gradients: so FSDP divides by nothing here."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def divide(reduced: torch.Tensor) -> None:
+        reduced.div_(data_parallel)
 
     for module in experts:
         fully_shard(module, mesh=expert_mesh[EDP], reshard_after_forward=False,
                     mp_policy=mp_policy or MixedPrecisionPolicy())
-        module.set_gradient_divide_factor(float(data_parallel))
-        # Reduced by a sum, then divided (gloo has no pre-multiplied sum). NOTE torch 2.13: with one copy (a
-        # reduce-scatter over one rank) FSDP divides once on its own and, summing, once more: leave it off there.
-        module.set_force_sum_reduction_for_comms(expert_mesh[EDP].size() > 1)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_all_reduce_hook(divide)
 
 
 def expert_bytes(root: nn.Module) -> int:

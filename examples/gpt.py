@@ -121,7 +121,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = x.reshape(-1, x.shape[-1])  # (B * T, C)
         logits = self.router(h)
-        weights, index = torch.topk(torch.softmax(logits.float(), dim=-1), self.top_k, dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
         out = self.experts(h, index, weights).view_as(x)
         return out, router_stats(logits, self.top_k, self.experts.num_experts)

@@ -12,14 +12,20 @@ import torch
 from .step_totals import StepTotals, active_step_totals
 
 
+def stats_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The type routing statistics are kept in: float32 at least (float64 under precision="64-true")."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def router_stats(logits: torch.Tensor, top_k: int, num_experts: int) -> torch.Tensor:
     """One router call's statistics as ``load_balancing_loss_func`` accumulates them: a (2, E + 1) tensor whose row 0
     holds each expert's summed router probability (with gradient) and row 1 each expert's top-k picks (no gradient),
-    then the number of routed rows."""
-    probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)  # (rows, E)
+    then the number of routed rows. In float32 at least (bf16 logits in float32, float64 ones as they are)."""
+    dtype = stats_dtype(logits)
+    probs = torch.softmax(logits.reshape(-1, logits.shape[-1]), dim=-1, dtype=dtype)  # (rows, E)
     picks = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-    ones = torch.ones_like(picks, dtype=torch.float)
-    counts = torch.zeros(num_experts + 1, device=probs.device).index_add_(0, picks, ones)
+    ones = torch.ones_like(picks, dtype=dtype)
+    counts = torch.zeros(num_experts + 1, device=probs.device, dtype=dtype).index_add_(0, picks, ones)
     counts[num_experts] = probs.shape[0]
     prob_sums = torch.cat([probs.sum(0), probs.new_zeros(1)])
     return torch.stack([prob_sums, counts])

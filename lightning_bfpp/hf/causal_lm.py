@@ -31,9 +31,11 @@ from .tensor_parallel import hf_layer_plan
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy of the targets that are not -100, their number)."""
+    """(summed cross-entropy of the targets that are not -100, their number), in float32 at least (bf16 logits in
+    float32, float64 ones as they are)."""
     targets = targets.flatten()
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets, ignore_index=-100, reduction="sum")
+    logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
     return loss, (targets != -100).sum()
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..contract.router_loss import router_stats
+from ..contract.router_loss import router_stats, stats_dtype
 
 
 def router_spec(model: nn.Module) -> tuple[type, int] | None:
@@ -58,7 +58,7 @@ class RoutedLayer(nn.Module):
         out = self.layer(hidden_states, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         if stats is None:
-            stats = torch.zeros(2, self.num_experts + 1, device=hidden.device)
+            stats = torch.zeros(2, self.num_experts + 1, device=hidden.device, dtype=stats_dtype(hidden))
         for logits in self._calls:
             stats = stats + router_stats(logits, self.top_k, self.num_experts)
         self._calls.clear()

@@ -18,6 +18,7 @@ import torch
 
 EXACT_TOL = 1e-10
 PRECISION = "64-true"  # the Trainer precision of every exactness run
+ELEMENT_BYTES = 8  # bytes of one float64 element: what an exactness run's activations, messages and weights count
 
 
 def _pairs(actual: Any, expected: Any, what: str) -> list[tuple[str, Any, Any]]:
@@ -28,7 +29,7 @@ def _pairs(actual: Any, expected: Any, what: str) -> list[tuple[str, Any, Any]]:
             f"{sorted(set(expected) - set(actual))}")
         return [(f"{what}[{k!r}]", actual[k], expected[k]) for k in expected]
     if isinstance(expected, Sequence) and not isinstance(expected, str):
-        assert len(actual) == len(expected), f"{what}: {len(actual)} values in the run, {len(expected)} in the reference"
+        assert len(actual) == len(expected), f"{what}: {len(actual)} values in the run, {len(expected)} in reference"
         return [(f"{what}[{i}]", a, e) for i, (a, e) in enumerate(zip(actual, expected))]
     return [(what, actual, expected)]
 
@@ -49,7 +50,7 @@ def max_difference(actual: Any, expected: Any, what: str = "value") -> tuple[flo
     worst, where = 0.0, what
     for name, a, e in _pairs(actual, expected, what):
         a64, e64 = _as_float64(a, name), _as_float64(e, name)
-        assert a64.shape == e64.shape, f"{name}: shape {tuple(a64.shape)} in the run, {tuple(e64.shape)} in the reference"
+        assert a64.shape == e64.shape, f"{name}: shape {tuple(a64.shape)} in the run, {tuple(e64.shape)} in reference"
         diff = (a64 - e64).abs().max().item() if a64.numel() else 0.0
         if math.isnan(diff):  # NaN is the worst
             return diff, name

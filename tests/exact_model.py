@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from one_process import BatchLoss, as_float64, mean_batch_loss, train
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -149,9 +150,10 @@ def lightning_batches(global_batch: int, data_parallel: int, ds: TensorDataset |
 def reference(
     steps: int, global_batch: int, data_parallel: int = 1, accumulate: int = 1, clip: float | None = None,
     seed: int = 0, skip_batches: frozenset[int] = frozenset(), opt: str = "sgd", tied: bool = False,
-    counter: bool = False, meta: bool | str = False, counted: bool = False,
+    counter: bool = False, meta: bool | str = False, counted: bool = False, float64: bool = True,
 ):
-    """Plain single-process training on the same data order; returns (final state dict, per-batch losses).
+    """Plain single-process training on the same data order (``one_process.train``), in float64 unless `float64` is
+    False; returns (final state dict, per-batch losses).
     Batches whose index is in `skip_batches` are drawn (loss recorded) but give no update (accumulate=1).
     `counted`: about 40 % of the targets are ignored and each optimizer step trains the mean over the counted targets
     of all its accumulated batches (each batch's loss recorded as its own mean).
@@ -162,33 +164,31 @@ def reference(
     if meta == "configure_model":
         model = LateStackNet(opt=opt, tied=tied, counter=counter, counted=counted)
         model.configure_model()
+    if float64:  # a model built on the meta device under precision="64-true" is initialized in float64 already
+        as_float64(model)
     if meta:
         seeded_init(model, seed)
-    opt = model.configure_optimizers()
     data = lightning_batches(global_batch, data_parallel, dataset(counted))
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        batches = [next(data) for _ in range(accumulate)]
-        items = sum(int((y != -100).sum()) for _, y in batches) if counted else None
-        for x, y in batches:
-            value = model.pipeline_loss(model(x), y)
-            loss = mean_loss(value)
-            if len(losses) not in skip_batches:
-                (value[0] / items if counted else loss / accumulate).backward()
-            losses.append(loss.item())
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+
+    def loss(model: StackNet, batch) -> BatchLoss:
+        x, y = batch
+        value = model.pipeline_loss(model(x), y)
+        return (*value, mean_loss(value).item()) if counted else mean_batch_loss(value)
+
+    losses = train(model, model.configure_optimizers(), ([next(data) for _ in range(accumulate)] for _ in range(steps)),
+                   loss, clip=clip, skip=skip_batches)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
 def reference_eval(state: dict, data_parallel: int, per_replica: int, limit: int | None = None):
     """(mean loss, outputs of data-parallel rank 0) as Lightning's eval loops see them: unshuffled
-    DistributedSampler per replica; each step's loss averaged over replicas, then over steps."""
-    model = StackNet()
+    DistributedSampler per replica; each step's loss averaged over replicas, then over steps. Computed in the type of
+    `state` (float64 for a precision="64-true" run)."""
+    dtype = next(t.dtype for t in state.values() if t.is_floating_point())
+    model = StackNet().to(dtype)
     model.load_state_dict(state)
     ds = dataset()
+    ds = TensorDataset(ds.tensors[0].to(dtype), ds.tensors[1])
     per_rank = [list(DistributedSampler(ds, num_replicas=data_parallel, rank=r, shuffle=False))
                 for r in range(data_parallel)]
     steps = len(per_rank[0]) // per_replica if limit is None else limit

@@ -52,6 +52,12 @@ def load(out: Path, n_configs: int, world: int) -> list[list[dict]]:
             for i in range(n_configs)]
 
 
+def merged(ranks: list[dict], key: str = "params") -> dict[str, torch.Tensor]:
+    """The whole model's `key` tensors ("params", "buffers") from its ranks' records, each rank holding its own
+    stages' (a name several ranks hold, e.g. a tied weight's copies, from the last of them)."""
+    return {name: t for r in ranks for name, t in r[key].items()}
+
+
 def _args(script: Path, out: Path, devices: int, configs: list[dict]) -> list[str]:
     return [str(script), str(out), str(devices), json.dumps(configs)]
 

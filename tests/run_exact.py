@@ -1,18 +1,19 @@
 """Train StackNet with strategy=bfpp for several layouts in one launch of N CPU processes.
 
 Usage: python tests/run_exact.py OUT_DIR DEVICES '[{"pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: pp, loops, m, schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip, eval
-(validate/test/predict after fit), opt (sgd|adamw|adamw_groups), save (checkpoint folder written after fit), save_every
-+ save_dir (ModelCheckpoint), resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training),
-fail_rank (raise there in step 2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra
-input feature at that batch index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index),
-own_batch (rank 1 alone changes its batch at that index), nonfinite (stop|skip), pid_dir (rank R writes its pid to
-pid_dir/rankR once step 1 runs, its global step to pid_dir/stepR after every batch, and pid_dir/exceptionR = "<global
-step> <error>" when its run raises), on_signal (save|exit) + grace (signal_grace_s), root (default_root_dir; default
-OUT_DIR/cfg<i>), async_save, step_sleep (seconds per batch), tied (StackNet with its input projection tied to a layer
-before the head; records every step's copies), trace (record FSDP all-gathers / reduce-scatters of step 2), precision
-(Trainer's, default 32-true), ac (activation_checkpointing), compile (compiled layers), late_rank + late_s (that local
-rank sleeps before its process group exists), meta (true: built on the meta device by
+Config keys: pp, loops, m,
+schedule, groups, sharding, reshard, steps, batch (global), accumulate, clip, eval (validate/test/predict after fit),
+opt (sgd|adamw|adamw_groups), save (checkpoint folder written after fit), save_every + save_dir (ModelCheckpoint),
+resume (ckpt_path for fit), eval_ckpt (validate a checkpoint file instead of training), fail_rank (raise there in step
+2), hang_rank (sleeps in step 2), timeout (seconds, default 120), wide_batch (an extra input feature at that batch
+index), nan_batch (NaN in one sample of data-parallel replica 0 at that batch index), own_batch (rank 1 alone changes
+its batch at that index), nonfinite (stop|skip), pid_dir (rank R writes its pid to pid_dir/rankR once step 1 runs, its
+global step to pid_dir/stepR after every batch, and pid_dir/exceptionR = "<global step> <error>" when its run raises),
+on_signal (save|exit) + grace (signal_grace_s), root (default_root_dir; default OUT_DIR/cfg<i>), async_save, step_sleep
+(seconds per batch), tied (StackNet with its input projection tied to a layer before the head; records every step's
+copies), trace (record FSDP all-gathers / reduce-scatters of step 2), precision (Trainer's, default "64-true": exactness
+is compared in float64, tests/exact_compare.py), ac (activation_checkpointing), compile (compiled layers), late_rank +
+late_s (that local rank sleeps before its process group exists), meta (true: built on the meta device by
 trainer.init_module(empty_init=True); "configure_model": LateStackNet, built there on the meta device), counter
 (StackNet with two stateful parameter-free layers, in the first and the last stage; records every buffer), counted
 (about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)), disk_quota (save_dir holds at most
@@ -37,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from exact_compare import PRECISION
 from exact_model import LateStackNet, StackNet, loader
 from full_disk import limited
 from lightning.pytorch import Callback, Trainer
@@ -178,7 +180,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                                          every_n_train_steps=cfg["save_every"], save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
-        precision=cfg.get("precision", "32-true"),
+        precision=cfg.get("precision", PRECISION),
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("clip"), logger=False,
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2 if cfg.get("eval") or cfg.get("eval_ckpt") else 0, val_check_interval=2,

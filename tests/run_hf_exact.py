@@ -1,22 +1,21 @@
 """Train tiny random-init Hugging Face causal LMs (lightning_bfpp.hf.CausalLM) under strategy=bfpp, several
 layouts in one launch of N CPU processes; the reference is the plain HF model in one process (see test_hf_exact).
 
-Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]'
-Config keys: family (gpt2|llama|qwen2|mistral|gemma3|qwen3|olmo2|olmoe|mixtral|qwen3_moe|deepseek_v3: Mistral's layers
-attend within a sliding window; Gemma 3 mixes sliding-window and full attention layers, each with its own rotary
-cos/sin, scales its embedding and soft-caps its logits; Mixtral and Qwen3-MoE train their router loss; DeepSeek-V3 has a
-shared expert beside its routed ones and latent attention; see hf_model), tie (tied embeddings; default: the family's
-own), attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), cp
-(context parallel), pp, loops, m, steps, batch (global), precision, ac (activation_checkpointing), ignored (prompt and
-padding targets of -100 in every row), accumulate (accumulate_grad_batches), save (checkpoint folder written after fit),
-pretrained (a save_pretrained directory: CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4
-documents, tests/packed_rows.py: token batches with document ids; after fit the logits of the first `batch` rows are
-predicted, "predicted", each data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep
-(expert_parallel).
-Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split":
-[names of the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
-"expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}.
-"""
+Usage: python tests/run_hf_exact.py OUT_DIR DEVICES '[{"family": "gpt2", "pp": 2, "loops": 2, "m": 2}, ...]' Config
+keys: family (gpt2|llama|qwen2|mistral|gemma3|qwen3|olmo2|olmoe|mixtral|qwen3_moe|deepseek_v3: Mistral's layers attend
+within a sliding window; Gemma 3 mixes sliding-window and full attention layers, each with its own rotary cos/sin,
+scales its embedding and soft-caps its logits; Mixtral and Qwen3-MoE train their router loss; DeepSeek-V3 has a shared
+expert beside its routed ones and latent attention; see hf_model), tie (tied embeddings; default: the family's own),
+attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), cp (context
+parallel), pp, loops, m, steps, batch (global), precision (default "64-true": tests/exact_compare.py), ac
+(activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
+(accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
+CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
+batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each data-parallel
+replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel). Rank R of config i writes
+OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of the parameters split
+over tensor-parallel ranks], "message_bytes": the largest activation message it sent, "expert_bytes": bytes of the
+experts' weights it holds, "expert_state_bytes": their optimizer state}."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import exact_model
 import torch
+from exact_compare import PRECISION
 from lightning.pytorch import Callback, Trainer
 from packed_rows import PackedRows
 from torch.utils.data import DataLoader, TensorDataset
@@ -38,6 +38,7 @@ from lightning_bfpp.runtime.instrument import local_bytes
 VOCAB, SEQ, WIDTH, SAMPLES, LR = 64, 16, 32, 64, 0.5
 # the mixtures of experts: 2 of 4 experts per token, the router loss on (output_router_logits)
 ROUTER = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.5}
+MIXTURES = ("olmoe", "mixtral", "qwen3_moe", "deepseek_v3")
 
 
 def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int = 0, kv_heads: int = 1):
@@ -83,7 +84,14 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                          "qk_nope_head_dim": 8, "v_head_dim": 16}),
     }
     config, model, extra = families[family]
-    return getattr(transformers, model)(getattr(transformers, config)(**{**extra, **common}))
+    return getattr(transformers, model)(getattr(transformers, config)(**{**extra, **common, **experts_kwargs(family)}))
+
+
+def experts_kwargs(family: str) -> dict:
+    """Config fields a mixture of experts is built or loaded with: torch's grouped_mm (transformers' default experts
+    kernel) has no float64 kernel, so the exactness runs (float64) use transformers' loop over the experts, "eager"
+    (the same math); bfpp runs the experts module's own forward either way."""
+    return {"experts_implementation": "eager"} if family in MIXTURES else {}
 
 
 def dataset(ignored: bool = False) -> TensorDataset:
@@ -122,7 +130,8 @@ class Losses(Callback):
 
 def run(cfg: dict, devices: int, out: Path) -> None:
     if cfg.get("pretrained"):  # a saved model, built on the meta device; each rank reads its own stages' tensors
-        model = CausalLM.from_pretrained(cfg["pretrained"], optimizer=sgd, attn_implementation=cfg.get("attn", "sdpa"))
+        model = CausalLM.from_pretrained(cfg["pretrained"], optimizer=sgd, attn_implementation=cfg.get("attn", "sdpa"),
+                                         **experts_kwargs(cfg["family"]))
     else:
         model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa"),
                                   kv_heads=cfg.get("kv_heads", 1)), optimizer=sgd)
@@ -133,7 +142,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
-                      precision=cfg.get("precision", "32-true"), accumulate_grad_batches=cfg.get("accumulate", 1),
+                      precision=cfg.get("precision", PRECISION), accumulate_grad_batches=cfg.get("accumulate", 1),
                       logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[record])
     per_replica = cfg.get("batch", 8) // (devices // (cfg.get("pp", 2) * cfg.get("tp", 1) * cfg.get("cp", 1)))

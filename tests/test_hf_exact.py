@@ -13,14 +13,15 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
 
-from launch import ROOT, Launches
+from exact_compare import ELEMENT_BYTES, assert_exact
+from launch import ROOT, Launches, merged
+from one_process import as_float64, train
 from packed_rows import PackedRows, alone_loss_sum, document_losses, global_batches, segments
-from run_hf_exact import LR, SAMPLES, SEQ, VOCAB, WIDTH, hf_model, lightning_batches
+from run_hf_exact import LR, SAMPLES, SEQ, VOCAB, WIDTH, experts_kwargs, hf_model, lightning_batches
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli
 
 WORKER = ROOT / "tests" / "run_hf_exact.py"
-TOL = 1e-6
 STEPS, BATCH = 3, 8
 # pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
 CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True},
@@ -81,32 +82,55 @@ def saved_model(out, family: str):
 
 
 def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa", pretrained=None,
-              kv_heads: int = 1, ignored: bool = False, accumulate: int = 1):
-    """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained), its own forward, SGD on
-    Lightning's data order; each step trains the mean cross-entropy over the counted targets (not -100) of all its
-    `accumulate` batches, as one process on the whole batch (each batch's own mean recorded as its loss). Returns
-    (model, losses, the router loss of each batch for a mixture of experts with output_router_logits=True)."""
+              kv_heads: int = 1, ignored: bool = False, accumulate: int = 1, micro_batches: int = 1):
+    """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained) in float64, its own forward, SGD
+    on Lightning's data order (``one_process.train``, each batch in `micro_batches` parts as the run splits it); each
+    step trains the mean cross-entropy over the counted targets (not -100) of all its `accumulate` batches, as one
+    process on the whole batch (each batch's own mean recorded as its loss), and a mixture's router loss
+    (output_router_logits=True; its batch is the whole batch: `micro_batches` 1) weighted by each batch's share of the
+    items. Returns (model, losses, the router loss of each batch for a mixture of experts)."""
     model = hf_model(family, tie, attn, kv_heads=kv_heads)
     if pretrained is not None:
-        model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data = lightning_batches(BATCH, data_parallel, ignored)
-    losses, aux_losses = [], []
+        model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn,
+                                            **experts_kwargs(family))
+    as_float64(model)
+    aux_losses = []
     routed = getattr(model.config, "output_router_logits", False)  # + router_aux_loss_coef x aux_loss (the batch's)
-    for _ in range(STEPS):
-        batches = [next(data) for _ in range(accumulate)]
-        items = sum(int((y != -100).sum()) for _, y in batches)
-        opt.zero_grad()
-        for x, y in batches:
-            out = model(x, output_router_logits=True) if routed else model(x)
-            total = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-            losses.append(total.item() / int((y != -100).sum()))
-            if routed:
-                total = total + model.router_aux_loss_coef * out.aux_loss * items
-                aux_losses.append(out.aux_loss.item())
-            (total / items).backward()
-        opt.step()
+    assert not (routed and micro_batches > 1), "a router loss is the whole batch's"
+
+    def loss(model, batch):
+        x, y = batch
+        out = model(x, output_router_logits=True) if routed else model(x)
+        total = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+        items = int((y != -100).sum())
+        shown = total.item() / items
+        if routed:
+            aux = load_balancing_loss64(out.router_logits, model.config.num_experts_per_tok)
+            total = total + model.router_aux_loss_coef * aux * items
+            aux_losses.append(aux.item())
+        return total, items, shown
+
+    data = lightning_batches(BATCH, data_parallel, ignored)
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=LR),
+                   ([next(data) for _ in range(accumulate)] for _ in range(STEPS)), loss, micro_batches=micro_batches)
     return model, losses, aux_losses
+
+
+def load_balancing_loss64(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (no attention mask) in float64: transformers 5 sums the router
+    probabilities in float32, which a float64 reference cannot use. Every layer's router logits together: the number
+    of experts times the sum over experts of (the fraction of top-k picks it gets) x (its mean router probability)."""
+    probs = torch.softmax(torch.cat(router_logits), dim=-1)  # (layers x tokens, E)
+    num_experts = probs.shape[-1]
+    picks = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, num_experts).to(probs.dtype)  # (rows, k, E)
+    return num_experts * torch.sum(picks.mean(0) * probs.mean(0))
+
+
+def micro_batches(cfg: dict, data_parallel: int) -> int:
+    """The parts of a global batch the run differentiates one by one: each replica's batch in `m` micro-batches (a
+    router loss is the whole batch's: one part)."""
+    routed = cfg["family"] in ("mixtral", "qwen3_moe")
+    return 1 if routed else data_parallel * cfg.get("m", 2)
 
 
 def _data_parallel_plan(devices: int, out: Path) -> tuple[int, list[dict]]:
@@ -158,21 +182,17 @@ def test_hf_model_trains_exactly_as_in_one_process(runs, devices, index):
     pretrained = saved_model(launch.out, cfg["family"]) if cfg.get("pretrained") else None
     model, losses, aux_losses = reference(cfg["family"], devices // 2, cfg.get("tie"), cfg.get("attn", "sdpa"),
                                           pretrained, ignored=cfg.get("ignored", False),
-                                          accumulate=cfg.get("accumulate", 1))
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    got = {}
-    for rank in launch[index]:
-        got.update(rank["params"])
-    assert set(got) == set(expected)  # the HF model's own names, tied copies included
-    worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
-    assert worst <= TOL, f"max |bfpp - one process| = {worst:.3g}"
-    last_stage = launch[index][-1]["losses"]  # every rank logs the shared loss
-    assert last_stage == pytest.approx(losses, abs=1e-5)
+                                          accumulate=cfg.get("accumulate", 1),
+                                          micro_batches=micro_batches(cfg, devices // 2))
+    # the HF model's own names, tied copies included
+    assert_exact(merged(launch[index]), dict(model.named_parameters(remove_duplicate=False)), "params")
+    assert all(r["losses"] == launch[index][0]["losses"] for r in launch[index])  # every rank logs the shared loss
+    assert_exact(launch[index][-1]["losses"], losses, "train_loss")
     assert all(r["aux_losses"] == launch[index][0]["aux_losses"] for r in launch[index])  # every rank logs it
-    assert launch[index][0]["aux_losses"] == pytest.approx(aux_losses, abs=1e-5)
+    assert_exact(launch[index][0]["aux_losses"], aux_losses, "train_aux_loss")
     assert bool(aux_losses) == (cfg["family"] in ("mixtral", "qwen3_moe"))
     if cfg.get("ep"):  # each rank holds half of its decoder layer's experts (pp=2 x loops=2: one such layer per rank)
-        experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n) // 2
+        experts = sum(p.numel() * ELEMENT_BYTES for n, p in model.named_parameters() if ".experts." in n) // 2
         assert [r["expert_bytes"] for r in launch[index]] == [experts // cfg["ep"]] * 4
 
 
@@ -190,11 +210,10 @@ def test_exported_checkpoint_loads_into_the_plain_hf_class(runs, tmp_path):
     # python -m lightning_bfpp.checkpoint FOLDER FILE
     checkpoint_cli([str(runs(4).out / "ckpt"), str(tmp_path / "gpt2.pt")])
     state = torch.load(tmp_path / "gpt2.pt", weights_only=True)["state_dict"]
-    model = hf_model("gpt2", seed=1)  # different weights before loading
+    model = as_float64(hf_model("gpt2", seed=1))  # different weights before loading (the run's type: float64)
     model.load_state_dict(state, strict=True)  # no key map
-    trained, _, _ = reference("gpt2", 2)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+    trained, _, _ = reference("gpt2", 2, micro_batches=micro_batches(RUNS[4][0], 2))
+    assert_exact(dict(model.named_parameters()), dict(trained.named_parameters()), "exported params")
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied after loading
     model.save_pretrained(tmp_path / "hf")
     again = type(model).from_pretrained(tmp_path / "hf")
@@ -211,19 +230,16 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, inde
     cfg, dp = configs[index], devices // 4  # pp=2 x tp=2
     records = tp_runs(name)[index]
     model, losses, _ = reference(cfg["family"], dp, cfg.get("tie"), kv_heads=cfg["kv_heads"],
-                                 ignored=cfg.get("ignored", False))
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    got = {}
-    for rank in records:
-        got.update(rank["params"])
-    assert set(got) == set(model.state_dict())  # the HF model's own names
-    worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
-    assert worst <= TOL, f"max |bfpp tp=2 - one process| = {worst:.3g}"
-    assert records[-1]["losses"] == pytest.approx(losses, abs=1e-5)
+                                 ignored=cfg.get("ignored", False), micro_batches=micro_batches(cfg, dp))
+    assert set(merged(records)) == set(model.state_dict())  # the HF model's own names
+    assert_exact(merged(records), dict(model.named_parameters(remove_duplicate=False)), "params")
+    assert_exact(records[-1]["losses"], losses, "train_loss")
     # what was split: attention and MLP projections, and the embedding and head unless tied
-    # a pipeline message: one micro-batch's activations (fp32), with sequence parallel half of each sequence
+    # a pipeline message: one micro-batch's activations (the run's float64), with sequence parallel half of each
+    # sequence
     micro_batch = BATCH // dp // 2
-    assert max(r["message_bytes"] for r in records) == micro_batch * SEQ * WIDTH * 4 // (2 if cfg.get("sp") else 1)
+    expected_bytes = micro_batch * SEQ * WIDTH * ELEMENT_BYTES // (2 if cfg.get("sp") else 1)
+    assert max(r["message_bytes"] for r in records) == expected_bytes
     split = {n for rank in records for n in rank["tp_split"]}
     mlp = () if cfg["family"] == "olmoe" else ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # experts: whole
     want = {f"model.layers.{i}.{m}.weight" for i in range(2)
@@ -249,11 +265,10 @@ def test_tensor_and_sequence_parallel_exports_load_into_the_plain_hf_class(tp_ru
     weights of the model trained in one process."""
     cfg = next(c for c in TP_LAUNCHES["sp"][1] if c["family"] == family)
     checkpoint_cli([str(tp_runs("sp").out / f"ckpt-{family}"), str(tmp_path / f"{family}.pt")])
-    model = hf_model(family, cfg.get("tie"), seed=1, kv_heads=2)  # other weights before loading
+    model = as_float64(hf_model(family, cfg.get("tie"), seed=1, kv_heads=2))  # other weights before loading
     model.load_state_dict(torch.load(tmp_path / f"{family}.pt", weights_only=True)["state_dict"], strict=True)
-    trained, _, _ = reference(family, 1, cfg.get("tie"), kv_heads=2)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+    trained, _, _ = reference(family, 1, cfg.get("tie"), kv_heads=2, micro_batches=micro_batches(cfg, 1))
+    assert_exact(dict(model.named_parameters()), dict(trained.named_parameters()), "exported params")
 
 
 def test_a_converted_pretrained_checkpoint_exports_under_the_models_own_names(runs, tmp_path):
@@ -262,38 +277,34 @@ def test_a_converted_pretrained_checkpoint_exports_under_the_models_own_names(ru
     strict=True, with the weights of the HF model loaded by its own from_pretrained and trained in one process."""
     launch = runs(4)
     checkpoint_cli([str(launch.out / "ckpt-mixtral"), str(tmp_path / "mixtral.pt")])
-    model = hf_model("mixtral", seed=1)
+    model = as_float64(hf_model("mixtral", seed=1))
     model.load_state_dict(torch.load(tmp_path / "mixtral.pt", weights_only=True)["state_dict"], strict=True)
     trained, _, _ = reference("mixtral", 2, pretrained=saved_model(launch.out, "mixtral"))
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # fused in the model
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+    assert_exact(dict(model.named_parameters()), dict(trained.named_parameters()), "exported params")
 
 
 @pytest.mark.slow
 def test_tensor_parallel_checkpoint_exports_into_the_plain_hf_class(tp_runs, tmp_path):
     checkpoint_cli([str(tp_runs("slow").out / "ckpt"), str(tmp_path / "llama.pt")])
-    model = hf_model("llama", seed=1, kv_heads=2)
+    model = as_float64(hf_model("llama", seed=1, kv_heads=2))
     model.load_state_dict(torch.load(tmp_path / "llama.pt", weights_only=True)["state_dict"], strict=True)
-    trained, _, _ = reference("llama", 1, kv_heads=2)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p, dict(trained.named_parameters())[name], atol=TOL, rtol=0)
+    trained, _, _ = reference("llama", 1, kv_heads=2, micro_batches=micro_batches(TP_LAUNCHES["slow"][1][0], 1))
+    assert_exact(dict(model.named_parameters()), dict(trained.named_parameters()), "exported params")
 
 
 def packed_reference(family: str, data_parallel: int, kv_heads: int = 1):
-    """The unmodified HF model, SGD on Lightning's order of the packed rows, each document run alone (its own forward
-    from position 0): each step trains the mean over the global batch's counted targets."""
-    model = hf_model(family, kv_heads=kv_heads)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data, losses = global_batches(PackedRows(SAMPLES, SEQ, VOCAB), BATCH, data_parallel), []
-    for _ in range(STEPS):
-        x, y, documents = next(data)
-        items = int((y != -100).sum())
-        opt.zero_grad()
-        total = alone_loss_sum(lambda t: model(t).logits, x, y, documents)
-        (total / items).backward()
-        losses.append(total.item() / items)
-        opt.step()
+    """The unmodified HF model in float64, SGD on Lightning's order of the packed rows, each document run alone (its
+    own forward from position 0): each step trains the mean over the global batch's counted targets."""
+    model = as_float64(hf_model(family, kv_heads=kv_heads))
+
+    def loss(model, batch):
+        x, y, documents = batch
+        total, items = alone_loss_sum(lambda t: model(t).logits, x, y, documents), int((y != -100).sum())
+        return total, items, total.item() / items
+
+    data = global_batches(PackedRows(SAMPLES, SEQ, VOCAB), BATCH, data_parallel)
+    losses = train(model, torch.optim.SGD(model.parameters(), lr=LR), ([next(data)] for _ in range(STEPS)), loss)
     return model, losses
 
 
@@ -308,21 +319,17 @@ def test_packed_documents_train_and_predict_as_each_document_alone(runs, tp_runs
     """Windows packing several documents (document ids: positions restart, attention stays within each document) at
     pp=2 x loops=2 (dp 2; GPT-2 at dp 1, slow) and at pp=2 x tp=2 with sequence parallel: 3 SGD steps equal one process
     that runs every document alone, and afterwards each document's loss in a predicted packed window equals its loss
-    alone (<= 1e-5)."""
+    alone."""
     cfg = (RUNS[devices] if kind == "dp" else TP_LAUNCHES["sp"][1])[index]
     records = (runs(devices) if kind == "dp" else tp_runs("sp"))[index]
     dp = devices // (2 * cfg.get("tp", 1))
     model, losses = packed_reference(cfg["family"], dp, kv_heads=cfg.get("kv_heads", 1))
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    got = {n: t for rank in records for n, t in rank["params"].items()}
-    assert set(got) == set(model.state_dict())
-    worst = max((got[n] - expected[n].detach()).abs().max().item() for n in got)
-    assert worst <= TOL, f"max |bfpp packed - each document alone| = {worst:.3g}"
-    assert records[-1]["losses"] == pytest.approx(losses, abs=1e-5)
+    assert set(merged(records)) == set(model.state_dict())
+    assert_exact(merged(records), dict(model.named_parameters(remove_duplicate=False)), "params")
+    assert_exact(records[-1]["losses"], losses, "train_loss")
     x, y, documents = PackedRows(SAMPLES, SEQ, VOCAB).tensors
     predicted = {r["replica"]: r["predicted"] for r in records if r["predicted"] is not None}  # a rank per replica
     assert len(predicted) == dp
-    worst, count = 0.0, 0
     for (replica, replicas), logits in predicted.items():
         rows = list(range(replica, BATCH, replicas))
         packed = document_losses(logits, y[rows], documents[rows])
@@ -330,5 +337,4 @@ def test_packed_documents_train_and_predict_as_each_document_alone(runs, tp_runs
             alone = [F.cross_entropy(model(x[row:row + 1, a:b]).logits[0], y[row, a:b], ignore_index=-100).item()
                      for row in rows for a, b in segments(documents[row]) if (y[row, a:b] != -100).any()]
         assert len(packed) == len(alone) > len(rows)  # several documents per window
-        worst, count = max(worst, *(abs(p - a) for p, a in zip(packed, alone))), count + len(packed)
-    assert worst <= 1e-5, f"max |a document's loss packed - alone| = {worst:.3g} over {count} documents"
+        assert_exact(packed, alone, f"replica {replica}'s documents' losses, packed vs alone")

@@ -4,6 +4,7 @@ names and checkpoints unchanged, and no layer is compiled again after step 2."""
 from __future__ import annotations
 
 import pytest
+import torch
 from exact_compare import assert_exact
 from launch import run_lightning
 

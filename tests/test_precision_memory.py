@@ -210,16 +210,11 @@ def test_stage_module_checkpointing_keeps_names_and_gradients_and_saves_only_lay
 def test_app_applies_activation_checkpointing_once():
     """model.activation_checkpointing goes to BFPPStrategy under bfpp (the GPT blocks' own is off), and to the
     GPT blocks under strategy=auto."""
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-
-    root = Path(__file__).resolve().parents[1]
     import train
+    from app_config import compose_app
 
     for strategy in ("bfpp", "auto"):
-        with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-            cfg = compose("train", overrides=["model.activation_checkpointing=true", f"trainer.strategy={strategy}"])
+        cfg = compose_app(["model.activation_checkpointing=true", f"trainer.strategy={strategy}"])
         built = train.build_strategy(cfg)
         in_strategy = getattr(built, "activation_checkpointing", False)
         in_model = train.model_config(cfg).activation_checkpointing

@@ -2,7 +2,7 @@
 
 ``import lightning_bfpp`` registers ``Trainer(strategy="bfpp")``. The package itself imports neither Lightning nor
 torch: ``lightning_bfpp.schedule`` and ``lightning_bfpp.sim`` load in milliseconds. The names below are loaded on
-first use (PEP 562); what a model's own layers call is ``lightning_bfpp.layers``. The strategy is registered in
+first use (PEP 562); what a model's own layers call is ``lightning_bfpp.modeling``. The strategy is registered in
 Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch.strategies`` exists: right away if Lightning is
 imported already, else when Lightning's strategies module finishes importing (a one-shot import hook,
 ``_RegisterWhenImported``).

@@ -80,8 +80,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
             balanced by parameter count.
         activation_checkpointing: recompute every layer of every local stage in backward.
         compile: ``torch.compile`` each pipeline layer of the local stages (names kept); recompiles are counted.
-        nonfinite_loss: a NaN/inf training loss "stop"s the run before the optimizer step, or "skip"s that batch
-            (at most ``max_consecutive_skips`` in a row, default 5).
+        nonfinite_loss: a NaN/inf training loss "stop"s the run before the optimizer step, or "skip"s that batch.
+        max_consecutive_skips: with "skip", more non-finite batches than this in a row stop the run (default 5).
         process_group_backend: as in ModelParallelStrategy.
         timeout: bound on every distributed wait (a timedelta or seconds; default 30 min); the start-up rendezvous
             waits at least ``job.guard.STARTUP_TIMEOUT``. A rank that dies or fails ends the job long before.
@@ -109,27 +109,34 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
 
     def __init__(
         self,
-        pipeline_parallel: int | None = None, tensor_parallel: int = 1, loops: int | None = None,
-        sequence_parallel: bool | None = None, micro_batches: int | None = None, schedule: str | None = None,
-        groups: int | None = None,
-        sharding: Literal["full", "none"] | None = None, reshard_after_forward: bool | None = None,
-        stage_layers: Sequence[int] | Literal["auto"] | None = None, activation_checkpointing: bool = False,
+        *,
+        # the layout: how the model and the batch are split over the processes
+        layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
+        pipeline_parallel: int | None = None, tensor_parallel: int = 1, sequence_parallel: bool | None = None,
+        expert_parallel: int = 1, context_parallel: int = 1, loops: int | None = None,
+        micro_batches: int | None = None, schedule: str | None = None, groups: int | None = None,
+        sharding: Literal["full", "none"] | None = None, stage_layers: Sequence[int] | Literal["auto"] | None = None,
+        # performance: what each step keeps, recomputes, compiles and overlaps
+        reshard_after_forward: bool | None = None, activation_checkpointing: bool = False,
+        compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
+        cross_step_overlap: bool = False, cuda_graphs: bool = False,
+        # the job: failures, waits, signals and checkpoints
         nonfinite_loss: Literal["stop", "skip"] = "stop", max_consecutive_skips: int = 5,
         process_group_backend: str | None = None, timeout: timedelta | float | None = default_pg_timeout,
-        trust_checkpoints: bool = False, measure_every_n_steps: int | None = None,
-        layout: Literal["auto"] | AutoLayout | None = None, global_batch_size: int | None = None,
-        compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
-        signal_checkpoint: str | Path | None = None, async_save: bool = False, expert_parallel: int = 1,
-        context_parallel: int = 1, cross_step_overlap: bool = False, cuda_graphs: bool = False,
+        signal_checkpoint: str | Path | None = None, async_save: bool = False, trust_checkpoints: bool = False,
+        # measurement
+        measure_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
         self._training = TrainingStep(measure_every_n_steps, nonfinite_loss, max_consecutive_skips)
         # the layout, checked now (before any process starts), then again with the world and the model
-        self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
-                               groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size,
-                               expert_parallel, context_parallel)
+        self.plan = LayoutPlan(
+            pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
+            loops=loops, micro_batches=micro_batches, schedule=schedule, groups=groups, sharding=sharding,
+            reshard_after_forward=reshard_after_forward, stage_layers=stage_layers, layout=layout,
+            global_batch_size=global_batch_size, expert_parallel=expert_parallel, context_parallel=context_parallel)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)

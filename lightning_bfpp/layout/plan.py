@@ -31,7 +31,7 @@ class LayoutPlan:
     """pipeline_parallel, loops, micro_batches, schedule, sharding and the stage cut of a BFPPStrategy (its
     arguments of the same names; see ``BFPPStrategy``)."""
 
-    def __init__(self, pipeline_parallel: int | None, tensor_parallel: int, sequence_parallel: bool | None,
+    def __init__(self, *, pipeline_parallel: int | None, tensor_parallel: int, sequence_parallel: bool | None,
                  loops: int | None,
                  micro_batches: int | None, schedule: str | None, groups: int | None, sharding: str | None,
                  reshard_after_forward: bool | None, stage_layers: Sequence[int] | Literal["auto"] | None,

@@ -195,7 +195,7 @@ def test_input_the_stages_cannot_take_names_the_stage(tmp_path):
     output = str(failure.value)
     assert "mat1 and mat2 shapes cannot be multiplied" in output
     assert "bfpp: in layer embed of stage 0 (pipeline rank 0; layers embed, blocks.0, blocks.1, blocks.2)" in output
-    assert "stage input float32[8, 17]" in output  # the micro-batch as it arrived
+    assert "stage input float64[8, 17]" in output  # the micro-batch as it arrived (run_exact: 64-true)
     _names_the_failed_rank(output, 0)
 
 

@@ -256,3 +256,25 @@ def test_the_planner_searches_cross_step_overlap_where_the_host_time_between_ste
     free = dataclasses.replace(cluster, step_overhead=0.0)
     assert [p.candidate for p in search(model, free, 8, top=3, shardings=["full"], cross_step_overlaps=(False, True))] \
         == [p.candidate for p in search(model, free, 8, top=3, shardings=["full"])]
+
+
+@pytest.mark.parametrize("model_name, cluster_name, batches", [
+    ("gpt_small", "gpu_8", (8, 32)),
+    ("gpt_tiny", "cpu_4", (8, 16)),
+    ("gpt_tiny", "cpu_2_calibrated", (8,)),  # host time between steps: cross-step overlap gains
+])
+def test_pruned_search_keeps_the_exhaustive_answer(model_name, cluster_name, batches):
+    """Every pruning (memory bounds before simulation, settled families, the step-time bound, shared stage costs)
+    keeps the search's answer, the best fitting plan, as simulating every candidate finds it (or one tied with it),
+    for each schedule alone and all together, cross-step overlap searched too."""
+    model, cluster = _load(model_name, cluster_name)
+    space = dict(loops=(1, 2, 4), max_micro_batches=8, max_groups=2, cross_step_overlaps=(False, True))
+    for batch in batches:
+        for schedules in [[name] for name in SCHEDULES] + [list(SCHEDULES)]:
+            pruned = search(model, cluster, batch, top=1, schedules=schedules, **space)
+            every = search(model, cluster, batch, top=0, exhaustive=True, schedules=schedules, **space)
+            assert len(every) > len(pruned), (batch, schedules)  # the search had something to skip
+            ties = [p.candidate for p in every if p.tokens_per_second_per_device
+                    == pytest.approx(every[0].tokens_per_second_per_device, rel=1e-12)]
+            assert pruned[0].candidate in ties, (batch, schedules, pruned[0], every[0])
+            assert pruned[0].tokens_per_second_per_device == every[0].tokens_per_second_per_device

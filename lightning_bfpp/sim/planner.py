@@ -113,13 +113,13 @@ class Plan:
         return {**asdict(self.candidate), **{k: v for k, v in asdict(self).items() if k != "candidate"}}
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=128)  # a schedule of many micro-batches is megabytes
 def _lowered(spec: ScheduleSpec) -> Schedule:
     """Lowered action lists without the validator (fast); chosen plans are validated afterwards."""
     return Schedule(spec, lower(spec, compute_order(spec)))
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=128)
 def _schedule(spec: ScheduleSpec, residency: str = "step", cache: int = 0) -> Schedule:
     return relower(_lowered(spec), residency, cache)
 
@@ -226,6 +226,24 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
                        context_parallel=c.context_parallel)
 
 
+class _CostCache:
+    """`candidate_costs` shared by the candidates that differ only in what the costs do not depend on (schedule,
+    groups, reshard policy, residency). `candidates` yields those within one (tp, cp, pp, micro-batch size) block,
+    so the cache holds one block at a time."""
+
+    def __init__(self, model: Model, cluster: Cluster):
+        self.model, self.cluster, self.block, self.costs = model, cluster, None, {}
+
+    def __call__(self, c: Candidate) -> Costs:
+        block = (c.tensor_parallel, c.context_parallel, c.pipeline_parallel, c.micro_batch_size)
+        if block != self.block:
+            self.block, self.costs = block, {}
+        key = (c.loops, c.data_parallel, c.micro_batches, c.sharding, c.sequence_parallel, c.expert_parallel)
+        if key not in self.costs:
+            self.costs[key] = candidate_costs(self.model, self.cluster, c)
+        return self.costs[key]
+
+
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
                        options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
                        *, timeline: bool = False) -> SimResult:
@@ -297,6 +315,7 @@ def search(
     top: int = 10,
     include_unfit: bool = False,
     cross_step_overlaps: Sequence[bool] = (False,),
+    exhaustive: bool = False,
     **space: Any,
 ) -> list[Plan]:
     """Simulate the candidates; return plans sorted best first (fitting ones only unless include_unfit).
@@ -312,24 +331,27 @@ def search(
     (e.g. `SimOptions(blocking_reduce=True)` on CPU). `cross_step_overlaps`: (False, True) also tries each candidate
     with cross-step overlap (``SimOptions.cross_step_overlap``; taken from the same simulation: it shortens the step by
     its ``cross_step_gain`` and holds no more memory than the step's peak), kept where it gains anything.
+    `exhaustive`: skip nothing (every candidate simulated; what the pruned search's answer is tested against).
     """
     plans: list[Plan] = []
     settled: set[tuple] = set()  # families whose fastest variant fits
     keep = max(top, 1)
     leaders: list[float] = []  # min-heap: tokens/s/device of the best `keep` fitting plans so far
     bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `keep`
+    costs_of = _CostCache(model, cluster)
     for c in candidates(model, cluster, batch_size, **space):
         family = _family(c)
-        if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
+        prune = not include_unfit and not exhaustive
+        if not exhaustive and (family in settled or (prune and not _static_fits(model, cluster, c))):
             continue
-        costs = candidate_costs(model, cluster, c)
-        if not include_unfit and (memory_lower_bound(c, costs) > cluster.usable_memory or
+        costs = costs_of(c)
+        if prune and (memory_lower_bound(c, costs) > cluster.usable_memory or
                                   costs.tokens_per_step / step_time_lower_bound(c, costs)
                                   / (c.pipeline_parallel * c.tensor_parallel * c.context_parallel) < bar):
             continue
         r = simulate(candidate_schedule(c), costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
-        if fits and not include_unfit and _fastest_variant(c):
+        if fits and prune and _fastest_variant(c):
             settled.add(family)
         if fits:
             heapq.heappush(leaders, r.tokens_per_second_per_device)

@@ -184,14 +184,20 @@ def test_residency_chosen_by_memory():
 def test_no_micro_batch_cap_and_exact_pruning():
     """Without a cap the micro-batch count reaches the replica's whole batch (one sample each), and the step-time
     lower bound the search prunes with never exceeds a simulated step."""
-    from lightning_bfpp.sim.planner import step_time_lower_bound
+    from lightning_bfpp.sim.planner import candidate_schedule, comm_lower_bound, step_time_lower_bound
 
     model, cluster = _load("gpt_small", "gpu_8")
     cs = list(candidates(model, cluster, 256, loops=(1, 2), max_groups=1))
     assert max(c.micro_batches for c in cs) == 256  # pp = world: dp = 1, m = batch
     for c in cs[::7]:
         costs = candidate_costs(model, cluster, c)
-        assert step_time_lower_bound(c, costs) <= simulate_candidate(model, cluster, c).step_time * (1 + 1e-9)
+        step = simulate_candidate(model, cluster, c).step_time
+        assert step_time_lower_bound(c, costs) <= step * (1 + 1e-9)
+        assert comm_lower_bound(candidate_schedule(c), costs) <= step * (1 + 1e-9)
+    slow = dataclasses.replace(cluster, inter_bw=cluster.inter_bw / 100, num_nodes=2)  # gathers bound the step
+    for c in list(candidates(model, slow, 64, loops=(1, 2, 4), max_groups=4, max_micro_batches=8))[::5]:
+        costs, step = candidate_costs(model, slow, c), simulate_candidate(model, slow, c).step_time
+        assert comm_lower_bound(candidate_schedule(c), costs) <= step * (1 + 1e-9), c
 
 
 @pytest.mark.parametrize("top", [3, 8])

@@ -14,6 +14,7 @@ from ..schedule import (
     BREADTH_FIRST,
     LOOPED_SCHEDULES,
     SCHEDULES,
+    Op,
     Schedule,
     ScheduleError,
     ScheduleSpec,
@@ -293,6 +294,37 @@ def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
     return bound + costs.step_overhead
 
 
+def _fsdp_counts(schedule: Schedule) -> list[dict[int, list[int]]]:
+    """Per rank, stage -> [all-gathers, gradient reductions] in its action list (cached on the schedule)."""
+    cached = schedule.__dict__.get("_fsdp_counts")
+    if cached is None:
+        cached = []
+        for rank in range(schedule.spec.pipeline_parallel):
+            counts: dict[int, list[int]] = {}
+            for a in schedule.actions[rank]:
+                if a.op is Op.UNSHARD or a.op is Op.REDUCE_GRAD:
+                    counts.setdefault(a.stage, [0, 0])[a.op is Op.REDUCE_GRAD] += 1
+            cached.append(counts)
+        schedule.__dict__["_fsdp_counts"] = cached
+    return cached
+
+
+def comm_lower_bound(schedule: Schedule, costs: Costs) -> float:
+    """Seconds no run of `schedule` can beat for its data-parallel collectives: a rank's all-gathers queue on one
+    stream, its reductions on another, and those crossing nodes all on its one network interface (the simulator's
+    model), so the step lasts at least the busiest of them on any rank."""
+    gathers = costs.sharding == "full"  # other shardings gather nothing
+    bound = 0.0
+    for counts in _fsdp_counts(schedule):
+        ag = rs = nic = 0.0
+        for s, (n_ag, n_rs) in counts.items():
+            st = costs.stages[s]
+            g, r = n_ag * st.unshard if gathers else 0.0, n_rs * st.reduce
+            ag, rs, nic = ag + g, rs + r, nic + (g + r if st.inter_node else 0.0)
+        bound = max(bound, ag, rs, nic)
+    return bound
+
+
 def _fastest_variant(c: Candidate) -> bool:
     return c.groups == 1 and not c.reshard_after_forward and c.residency == "step"
 
@@ -345,11 +377,15 @@ def search(
         if not exhaustive and (family in settled or (prune and not _static_fits(model, cluster, c))):
             continue
         costs = costs_of(c)
+        devices = c.pipeline_parallel * c.tensor_parallel * c.context_parallel
         if prune and (memory_lower_bound(c, costs) > cluster.usable_memory or
-                                  costs.tokens_per_step / step_time_lower_bound(c, costs)
-                                  / (c.pipeline_parallel * c.tensor_parallel * c.context_parallel) < bar):
+                      costs.tokens_per_step / step_time_lower_bound(c, costs) / devices < bar):
             continue
-        r = simulate(candidate_schedule(c), costs, options, timeline=False)
+        schedule = candidate_schedule(c)
+        comm = comm_lower_bound(schedule, costs) if prune and bar else 0.0
+        if comm and costs.tokens_per_step / comm / devices < bar:
+            continue  # its gathers or reductions alone take longer than the best step so far
+        r = simulate(schedule, costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
         if fits and prune and _fastest_variant(c):
             settled.add(family)

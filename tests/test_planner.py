@@ -93,6 +93,13 @@ def test_memory_filter_and_lower_bound():
     for c in list(candidates(model, cluster, 64, max_micro_batches=16))[::5]:
         assert (memory_lower_bound(c, candidate_costs(model, cluster, c))
                 <= simulate_candidate(model, cluster, c).peak_memory)
+    # a group pass keeps every local stage gathered: the bound counts them all, and reaches the simulated peak's weights
+    c = next(c for c in candidates(model, cluster, 64, schedules=["breadth_first_zb"], loops=(4,), shardings=["full"],
+                                   residencies=("step",)) if c.pipeline_parallel == 2 and not c.reshard_after_forward)
+    costs, peak = candidate_costs(model, cluster, c), simulate_candidate(model, cluster, c).memory
+    local = sum(st.weight_bytes * st.gathered_params for st in costs.stages[::2])
+    assert max(m.category_peak["weights"] for m in peak) == pytest.approx(local)
+    assert memory_lower_bound(c, costs) <= max(m.peak for m in peak)
 
 
 def test_overrides_format():

@@ -255,7 +255,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     """Bytes some rank certainly needs (checked before lowering and simulating): its state, and the
     activations a schedule must hold at once — breadth-first/GPipe run every forward of a group on all
     local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches — plus one
-    backward's working set."""
+    backward's working set and the gathered weights (all local stages' in such a group pass)."""
     pp, worst = c.pipeline_parallel, 0.0
     for rank in range(pp):
         local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
@@ -270,7 +270,11 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
             live = min(pp, c.micro_batches) * act
         else:
             live = max(st.activation for st in local)
-        gathered = max(st.weight_bytes * st.gathered_params for st in local) if c.sharding == "full" else 0.0
+        weights = [st.weight_bytes * st.gathered_params for st in local] if c.sharding == "full" else [0.0]
+        # a group pass keeps every local stage gathered from its first forward to its last backward: at the last
+        # local stage's first backward all are (unless resharded after forward or under a shorter residency)
+        whole_pass = c.schedule in BREADTH_FIRST + ("gpipe",) and not c.reshard_after_forward and c.residency == "step"
+        gathered = sum(weights) if whole_pass else max(weights)
         worst = max(worst, state + live + gathered + min(st.workspace for st in local))
     return worst
 

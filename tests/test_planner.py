@@ -93,6 +93,13 @@ def test_memory_filter_and_lower_bound():
     for c in list(candidates(model, cluster, 64, max_micro_batches=16))[::5]:
         assert (memory_lower_bound(c, candidate_costs(model, cluster, c))
                 <= simulate_candidate(model, cluster, c).peak_memory)
+    # a group pass keeps every local stage gathered: the bound counts them all, and reaches the simulated peak's weights
+    c = next(c for c in candidates(model, cluster, 64, schedules=["breadth_first_zb"], loops=(4,), shardings=["full"],
+                                   residencies=("step",)) if c.pipeline_parallel == 2 and not c.reshard_after_forward)
+    costs, peak = candidate_costs(model, cluster, c), simulate_candidate(model, cluster, c).memory
+    local = sum(st.weight_bytes * st.gathered_params for st in costs.stages[::2])
+    assert max(m.category_peak["weights"] for m in peak) == pytest.approx(local)
+    assert memory_lower_bound(c, costs) <= max(m.peak for m in peak)
 
 
 def test_overrides_format():
@@ -184,14 +191,20 @@ def test_residency_chosen_by_memory():
 def test_no_micro_batch_cap_and_exact_pruning():
     """Without a cap the micro-batch count reaches the replica's whole batch (one sample each), and the step-time
     lower bound the search prunes with never exceeds a simulated step."""
-    from lightning_bfpp.sim.planner import step_time_lower_bound
+    from lightning_bfpp.sim.planner import candidate_schedule, comm_lower_bound, step_time_lower_bound
 
     model, cluster = _load("gpt_small", "gpu_8")
     cs = list(candidates(model, cluster, 256, loops=(1, 2), max_groups=1))
     assert max(c.micro_batches for c in cs) == 256  # pp = world: dp = 1, m = batch
     for c in cs[::7]:
         costs = candidate_costs(model, cluster, c)
-        assert step_time_lower_bound(c, costs) <= simulate_candidate(model, cluster, c).step_time * (1 + 1e-9)
+        step = simulate_candidate(model, cluster, c).step_time
+        assert step_time_lower_bound(c, costs) <= step * (1 + 1e-9)
+        assert comm_lower_bound(candidate_schedule(c), costs) <= step * (1 + 1e-9)
+    slow = dataclasses.replace(cluster, inter_bw=cluster.inter_bw / 100, num_nodes=2)  # gathers bound the step
+    for c in list(candidates(model, slow, 64, loops=(1, 2, 4), max_groups=4, max_micro_batches=8))[::5]:
+        costs, step = candidate_costs(model, slow, c), simulate_candidate(model, slow, c).step_time
+        assert comm_lower_bound(candidate_schedule(c), costs) <= step * (1 + 1e-9), c
 
 
 @pytest.mark.parametrize("top", [3, 8])
@@ -256,3 +269,25 @@ def test_the_planner_searches_cross_step_overlap_where_the_host_time_between_ste
     free = dataclasses.replace(cluster, step_overhead=0.0)
     assert [p.candidate for p in search(model, free, 8, top=3, shardings=["full"], cross_step_overlaps=(False, True))] \
         == [p.candidate for p in search(model, free, 8, top=3, shardings=["full"])]
+
+
+@pytest.mark.parametrize("model_name, cluster_name, batches", [
+    ("gpt_small", "gpu_8", (8, 32)),
+    ("gpt_tiny", "cpu_4", (8, 16)),
+    ("gpt_tiny", "cpu_2_calibrated", (8,)),  # host time between steps: cross-step overlap gains
+])
+def test_pruned_search_keeps_the_exhaustive_answer(model_name, cluster_name, batches):
+    """Every pruning (memory bounds before simulation, settled families, the step-time bound, shared stage costs)
+    keeps the search's answer, the best fitting plan, as simulating every candidate finds it (or one tied with it),
+    for each schedule alone and all together, cross-step overlap searched too."""
+    model, cluster = _load(model_name, cluster_name)
+    space = dict(loops=(1, 2, 4), max_micro_batches=8, max_groups=2, cross_step_overlaps=(False, True))
+    for batch in batches:
+        for schedules in [[name] for name in SCHEDULES] + [list(SCHEDULES)]:
+            pruned = search(model, cluster, batch, top=1, schedules=schedules, **space)
+            every = search(model, cluster, batch, top=0, exhaustive=True, schedules=schedules, **space)
+            assert len(every) > len(pruned), (batch, schedules)  # the search had something to skip
+            ties = [p.candidate for p in every if p.tokens_per_second_per_device
+                    == pytest.approx(every[0].tokens_per_second_per_device, rel=1e-12)]
+            assert pruned[0].candidate in ties, (batch, schedules, pruned[0], every[0])
+            assert pruned[0].tokens_per_second_per_device == every[0].tokens_per_second_per_device

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from ..schedule.actions import ScheduleSpec
 from ..schedule.dims import EDP, EP, ParallelDims
@@ -40,6 +41,13 @@ def state_bytes(params: float, sharding: str, data_parallel: int, whole: float |
 @lru_cache(maxsize=256)
 def _stage_counts(params: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
     return tuple(balanced_stage_layers(params, num_stages))  # the runtime's own split: one source of truth
+
+
+@lru_cache(maxsize=256)
+def _model_layers(model: Model, cluster: Cluster, tensor_parallel: int, sequence_parallel: bool,
+                  context_parallel: int) -> Layers:
+    """`model.layers(...)`, once per shape (the planner builds costs for thousands of candidates of a few shapes)."""
+    return model.layers(cluster, tensor_parallel, sequence_parallel, context_parallel)
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,7 @@ def build_costs(
     num_stages = pp * loops
     dims = ParallelDims(world=pp * dp * cp * tp, spec=ScheduleSpec(pipeline_parallel=pp, loops=loops),
                         tensor_parallel=tp, context_parallel=cp, expert_parallel=expert_parallel)
-    layers = model if isinstance(model, Layers) else model.layers(cluster, tp, sequence_parallel, cp)
+    layers = model if isinstance(model, Layers) else _model_layers(model, cluster, tp, sequence_parallel, cp)
     if expert_parallel > 1 and (layers.expert_params is None or dp % expert_parallel):
         raise ValueError(f"expert_parallel={expert_parallel} needs a model with experts and data_parallel={dp} "
                          "divisible by it.")
@@ -163,14 +171,18 @@ def build_costs(
             raise ValueError(f"stage_layers={list(counts)} must list {num_stages} positive counts summing to "
                              f"the model's {len(layers)} layers.")
     message = message_bytes(layers, micro_batch_size, tp, sequence_parallel, activation_bytes)
+    comm = _comm_times(layers, cluster, micro_batch_size, _cp_link(cluster, tp, cp))
+    groups = {}  # pipeline rank -> its groups (the same for every stage it holds)
     stages, start = [], 0
     for s, n in enumerate(counts):
         span = range(start, start + n)
-        first = dims.rank(s % pp, 0)
-        stage = _stage_cost(layers, cluster, span, dims.gradient_group(first), micro_batch_size, sharding,
-                            (dims.group(EP, first), dims.group(EDP, first)), _cp_link(cluster, tp, cp))
-        stages.append(replace(stage, weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),
-                              weight_fraction=1.0 if s == 0 else stage.weight_fraction))  # torch: no I on the first
+        if s % pp not in groups:
+            first = dims.rank(s % pp, 0)
+            groups[s % pp] = _Groups.of(cluster, dims.gradient_group(first), dims.group(EP, first),
+                                        dims.group(EDP, first))
+        stages.append(_stage_cost(layers, cluster, span, groups[s % pp], micro_batch_size, sharding, comm,
+                                  _weight_pass_bytes(layers, span, micro_batch_size, message),
+                                  first_stage=s == 0))
         start += n
     tokens = micro_batch_size * layers.seq * cp  # whole sequences
     p2p, inter_links = _p2p_links(cluster, dims, message)
@@ -228,17 +240,43 @@ def _cp_link(cluster: Cluster, tensor_parallel: int, context_parallel: int) -> t
     return cluster.inter_bw, cluster.latency
 
 
-def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int], micro_batch_size: int,
-                sharding: str, experts: tuple[list[int], list[int]] = ([0], [0]),
-                cp_link: tuple[float, float] = (1.0, 0.0)) -> StageCost:
+class _Groups(NamedTuple):
+    """A pipeline rank's collective groups as the cost model needs them: the gradient group's size, ring bandwidth
+    and whether it crosses nodes; the expert-parallel group's size and bandwidth; the experts' copies' likewise."""
+
+    dp: int
+    bw: float
+    inter_node: bool
+    ep: int
+    ep_bw: float
+    copies: int
+    copies_bw: float
+
+    @classmethod
+    def of(cls, cluster: Cluster, group: list[int], ep_group: list[int], copies: list[int]) -> _Groups:
+        return cls(len(group), cluster.group_bandwidth(group), len({r // cluster.devices for r in group}) > 1,
+                   len(ep_group), cluster.group_bandwidth(ep_group), len(copies), cluster.group_bandwidth(copies))
+
+
+def _comm_times(layers: Layers, cluster: Cluster, micro_batch_size: int,
+                cp_link: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """Per layer, seconds of its tensor- and context-parallel collectives for one micro-batch (forward, backward)."""
+    tp_fwd, tp_bwd = _tp_times(layers, cluster, micro_batch_size)
+    cp_fwd, cp_bwd = _cp_times(layers, micro_batch_size, *cp_link)
+    return [a + b for a, b in zip(tp_fwd, cp_fwd)], [a + b for a, b in zip(tp_bwd, cp_bwd)]
+
+
+def _stage_cost(layers: Layers, cluster: Cluster, span: range, groups: _Groups, micro_batch_size: int,
+                sharding: str, comm: tuple[list[float], list[float]], weight_pass_bytes: float = 0.0, *,
+                first_stage: bool = False) -> StageCost:
     """One stage (layers `span`) for one micro-batch: compute from calibrated layer times or FLOPs (recomputation
-    repeats the forward), tp and cp collectives (on the compute's critical path), dp collectives over its gradient
-    `group` (global ranks: dp, x cp under context parallel); with expert parallel (`experts`: its expert-parallel
-    group and the experts' copies), the experts' share gathered over the copies and their all-to-alls."""
+    repeats the forward), tp and cp collectives (`comm`, per layer: on the compute's critical path), dp collectives
+    over its gradient group (dp, x cp under context parallel); with expert parallel (`groups.ep` > 1), the experts'
+    share gathered over their copies and their all-to-alls. The first stage's backward is all weight pass (torch runs
+    no input-gradient pass there)."""
     mbs, recompute = micro_batch_size, 1.0 if layers.recompute else 0.0
     p = sum(layers.params[i] for i in span)
-    ep_group, copies = experts
-    ep = len(ep_group)
+    ep = groups.ep
     pe = sum(layers.expert_params[i] for i in span) if layers.expert_params else 0
     dense = p - pe if ep > 1 else p
     if layers.times:  # calibrated per-layer seconds
@@ -247,15 +285,12 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int],
     else:
         fwd = sum(layers.forward_flops[i] for i in span) * mbs * layers.seq / cluster.flops
         bwd = (cluster.backward_factor + recompute) * fwd
-    tp_fwd, tp_bwd = _tp_times(layers, cluster, mbs)
-    cp_fwd, cp_bwd = _cp_times(layers, mbs, *cp_link)
-    fwd_tp = sum(tp_fwd[i] + cp_fwd[i] for i in span)
-    bwd_tp = sum(tp_bwd[i] + cp_bwd[i] for i in span) + recompute * fwd_tp
-    dp = len(group)
-    bw, lat = cluster.group_bandwidth(group), cluster.latency
+    fwd_tp = sum(comm[0][i] for i in span)
+    bwd_tp = sum(comm[1][i] for i in span) + recompute * fwd_tp
+    lat = cluster.latency
     wire = layers.wire
     # (parameters, group size, its bandwidth): the dense weights over dp, each rank's 1/ep of the experts over copies
-    parts = [(dense, dp, bw)] + ([(pe / ep, len(copies), cluster.group_bandwidth(copies))] if ep > 1 else [])
+    parts = [(dense, groups.dp, groups.bw)] + ([(pe / ep, groups.copies, groups.copies_bw)] if ep > 1 else [])
     ring = lambda nbytes_per_param: sum(ring_time(nbytes_per_param * n, g, b, lat) for n, g, b in parts)  # noqa: E731
     gather = ring(wire.weights) if sharding == "full" else 0.0
     if sharding == "full":  # reduce-scatter (bf16 in the paper's regime)
@@ -266,14 +301,15 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, group: list[int],
         reduce = 2 * ring(wire.grads)
     a2a = 0.0
     if ep > 1 and layers.a2a_bytes:  # two all-to-alls per MoE layer and pass (dispatch, combine)
-        a2a = 2 * a2a_time(sum(layers.a2a_bytes[i] for i in span) * mbs, ep, cluster.group_bandwidth(ep_group), lat)
+        a2a = 2 * a2a_time(sum(layers.a2a_bytes[i] for i in span) * mbs, ep, groups.ep_bw, lat)
     work = max(layers.workspace[i] for i in span) * mbs if layers.workspace else 0.0
     return StageCost(fwd + fwd_tp + cluster.overhead, bwd + bwd_tp + cluster.overhead, p,
                      sum(layers.activation_bytes[i] for i in span) * mbs, gather, reduce,
                      reduce_host=cluster.grad_scale * p, workspace=work,
-                     inter_node=len({r // cluster.devices for r in group}) > 1, weight_bytes=wire.weights,
+                     inter_node=groups.inter_node, weight_bytes=wire.weights,
                      grad_bytes=wire.grads, expert_params=pe if ep > 1 else 0, expert_parallel=ep, a2a_forward=a2a,
-                     a2a_backward=a2a)
+                     a2a_backward=a2a, weight_pass_bytes=weight_pass_bytes,
+                     **({"weight_fraction": 1.0} if first_stage else {}))
 
 
 def _p2p_links(cluster: Cluster, dims: ParallelDims, message: float) -> tuple[dict, frozenset]:

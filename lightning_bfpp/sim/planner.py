@@ -14,6 +14,7 @@ from ..schedule import (
     BREADTH_FIRST,
     LOOPED_SCHEDULES,
     SCHEDULES,
+    Op,
     Schedule,
     ScheduleError,
     ScheduleSpec,
@@ -113,13 +114,13 @@ class Plan:
         return {**asdict(self.candidate), **{k: v for k, v in asdict(self).items() if k != "candidate"}}
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=128)  # a schedule of many micro-batches is megabytes
 def _lowered(spec: ScheduleSpec) -> Schedule:
     """Lowered action lists without the validator (fast); chosen plans are validated afterwards."""
     return Schedule(spec, lower(spec, compute_order(spec)))
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=128)
 def _schedule(spec: ScheduleSpec, residency: str = "step", cache: int = 0) -> Schedule:
     return relower(_lowered(spec), residency, cache)
 
@@ -226,6 +227,24 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
                        context_parallel=c.context_parallel)
 
 
+class _CostCache:
+    """`candidate_costs` shared by the candidates that differ only in what the costs do not depend on (schedule,
+    groups, reshard policy, residency). `candidates` yields those within one (tp, cp, pp, micro-batch size) block,
+    so the cache holds one block at a time."""
+
+    def __init__(self, model: Model, cluster: Cluster):
+        self.model, self.cluster, self.block, self.costs = model, cluster, None, {}
+
+    def __call__(self, c: Candidate) -> Costs:
+        block = (c.tensor_parallel, c.context_parallel, c.pipeline_parallel, c.micro_batch_size)
+        if block != self.block:
+            self.block, self.costs = block, {}
+        key = (c.loops, c.data_parallel, c.micro_batches, c.sharding, c.sequence_parallel, c.expert_parallel)
+        if key not in self.costs:
+            self.costs[key] = candidate_costs(self.model, self.cluster, c)
+        return self.costs[key]
+
+
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
                        options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
                        *, timeline: bool = False) -> SimResult:
@@ -236,7 +255,7 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     """Bytes some rank certainly needs (checked before lowering and simulating): its state, and the
     activations a schedule must hold at once — breadth-first/GPipe run every forward of a group on all
     local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches — plus one
-    backward's working set."""
+    backward's working set and the gathered weights (all local stages' in such a group pass)."""
     pp, worst = c.pipeline_parallel, 0.0
     for rank in range(pp):
         local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
@@ -251,7 +270,11 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
             live = min(pp, c.micro_batches) * act
         else:
             live = max(st.activation for st in local)
-        gathered = max(st.weight_bytes * st.gathered_params for st in local) if c.sharding == "full" else 0.0
+        weights = [st.weight_bytes * st.gathered_params for st in local] if c.sharding == "full" else [0.0]
+        # a group pass keeps every local stage gathered from its first forward to its last backward: at the last
+        # local stage's first backward all are (unless resharded after forward or under a shorter residency)
+        whole_pass = c.schedule in BREADTH_FIRST + ("gpipe",) and not c.reshard_after_forward and c.residency == "step"
+        gathered = sum(weights) if whole_pass else max(weights)
         worst = max(worst, state + live + gathered + min(st.workspace for st in local))
     return worst
 
@@ -273,6 +296,37 @@ def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
         edges = sum(x.forward + tail * x.backward for x in st[:r])
         bound = max(bound, edges + busy)
     return bound + costs.step_overhead
+
+
+def _fsdp_counts(schedule: Schedule) -> list[dict[int, list[int]]]:
+    """Per rank, stage -> [all-gathers, gradient reductions] in its action list (cached on the schedule)."""
+    cached = schedule.__dict__.get("_fsdp_counts")
+    if cached is None:
+        cached = []
+        for rank in range(schedule.spec.pipeline_parallel):
+            counts: dict[int, list[int]] = {}
+            for a in schedule.actions[rank]:
+                if a.op is Op.UNSHARD or a.op is Op.REDUCE_GRAD:
+                    counts.setdefault(a.stage, [0, 0])[a.op is Op.REDUCE_GRAD] += 1
+            cached.append(counts)
+        schedule.__dict__["_fsdp_counts"] = cached
+    return cached
+
+
+def comm_lower_bound(schedule: Schedule, costs: Costs) -> float:
+    """Seconds no run of `schedule` can beat for its data-parallel collectives: a rank's all-gathers queue on one
+    stream, its reductions on another, and those crossing nodes all on its one network interface (the simulator's
+    model), so the step lasts at least the busiest of them on any rank."""
+    gathers = costs.sharding == "full"  # other shardings gather nothing
+    bound = 0.0
+    for counts in _fsdp_counts(schedule):
+        ag = rs = nic = 0.0
+        for s, (n_ag, n_rs) in counts.items():
+            st = costs.stages[s]
+            g, r = n_ag * st.unshard if gathers else 0.0, n_rs * st.reduce
+            ag, rs, nic = ag + g, rs + r, nic + (g + r if st.inter_node else 0.0)
+        bound = max(bound, ag, rs, nic)
+    return bound
 
 
 def _fastest_variant(c: Candidate) -> bool:
@@ -297,6 +351,7 @@ def search(
     top: int = 10,
     include_unfit: bool = False,
     cross_step_overlaps: Sequence[bool] = (False,),
+    exhaustive: bool = False,
     **space: Any,
 ) -> list[Plan]:
     """Simulate the candidates; return plans sorted best first (fitting ones only unless include_unfit).
@@ -312,24 +367,31 @@ def search(
     (e.g. `SimOptions(blocking_reduce=True)` on CPU). `cross_step_overlaps`: (False, True) also tries each candidate
     with cross-step overlap (``SimOptions.cross_step_overlap``; taken from the same simulation: it shortens the step by
     its ``cross_step_gain`` and holds no more memory than the step's peak), kept where it gains anything.
+    `exhaustive`: skip nothing (every candidate simulated; what the pruned search's answer is tested against).
     """
     plans: list[Plan] = []
     settled: set[tuple] = set()  # families whose fastest variant fits
     keep = max(top, 1)
     leaders: list[float] = []  # min-heap: tokens/s/device of the best `keep` fitting plans so far
     bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `keep`
+    costs_of = _CostCache(model, cluster)
     for c in candidates(model, cluster, batch_size, **space):
         family = _family(c)
-        if family in settled or (not include_unfit and not _static_fits(model, cluster, c)):
+        prune = not include_unfit and not exhaustive
+        if not exhaustive and (family in settled or (prune and not _static_fits(model, cluster, c))):
             continue
-        costs = candidate_costs(model, cluster, c)
-        if not include_unfit and (memory_lower_bound(c, costs) > cluster.usable_memory or
-                                  costs.tokens_per_step / step_time_lower_bound(c, costs)
-                                  / (c.pipeline_parallel * c.tensor_parallel * c.context_parallel) < bar):
+        costs = costs_of(c)
+        devices = c.pipeline_parallel * c.tensor_parallel * c.context_parallel
+        if prune and (memory_lower_bound(c, costs) > cluster.usable_memory or
+                      costs.tokens_per_step / step_time_lower_bound(c, costs) / devices < bar):
             continue
-        r = simulate(candidate_schedule(c), costs, options, timeline=False)
+        schedule = candidate_schedule(c)
+        comm = comm_lower_bound(schedule, costs) if prune and bar else 0.0
+        if comm and costs.tokens_per_step / comm / devices < bar:
+            continue  # its gathers or reductions alone take longer than the best step so far
+        r = simulate(schedule, costs, options, timeline=False)
         fits = r.peak_memory <= cluster.usable_memory
-        if fits and not include_unfit and _fastest_variant(c):
+        if fits and prune and _fastest_variant(c):
             settled.add(family)
         if fits:
             heapq.heappush(leaders, r.tokens_per_second_per_device)

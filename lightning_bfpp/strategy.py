@@ -97,6 +97,9 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
         cross_step_overlap: start the next step's first all-gathers right after each optimizer step (docs/settings.md).
         cuda_graphs: capture each local stage's training forward and backward as CUDA graphs, one per micro-batch.
+        router_loss: a mixture of experts' load-balancing loss in a step (``contract.router_loss``): "batch" (the whole
+            step's; gpipe, breadth_first with groups=1) or "micro_batch" (each micro-batch's own; any schedule).
+            Default: "batch" where the schedule allows it, else "micro_batch", printed at start.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
     into any other layout; ``storage.names`` spells the settings storage errors name. See ``lightning_bfpp.checkpoint``.
@@ -122,6 +125,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         on_signal: Literal["save", "exit"] = "save", signal_grace_s: float | None = None,
         signal_checkpoint: str | Path | None = None, async_save: bool = False, expert_parallel: int = 1,
         context_parallel: int = 1, cross_step_overlap: bool = False, cuda_graphs: bool = False,
+        router_loss: Literal["batch", "micro_batch"] | None = None,
     ) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=as_timeout(timeout))
@@ -129,7 +133,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         # the layout, checked now (before any process starts), then again with the world and the model
         self.plan = LayoutPlan(pipeline_parallel, tensor_parallel, sequence_parallel, loops, micro_batches, schedule,
                                groups, sharding, reshard_after_forward, stage_layers, layout, global_batch_size,
-                               expert_parallel, context_parallel)
+                               expert_parallel, context_parallel, router_loss)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -155,6 +159,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
     expert_parallel = property(lambda self: self.plan.dims.expert_parallel)
     sequence_parallel = property(lambda self: self.plan.dims.sequence_parallel)
     context_parallel = property(lambda self: self.plan.dims.context_parallel)
+    router_loss = property(lambda self: self.plan.router_loss_for(), doc="The router loss's definition in a step.")
     data_parallel = property(lambda self: self.plan.dims.data_parallel)
     sharding = property(lambda self: self.plan.dims.sharding)
     loops = property(lambda self: self.plan.dims.spec.loops)
@@ -285,6 +290,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
             self._contract_announced = True
             announce_contract(module, self.spec.pipeline_parallel, self.spec.micro_batches)
         stages = self.plan.check_model(module, layers)
+        if line := self.plan.router_loss_line(module):
+            rank_zero_info(line)
         if self.compile or self.cuda_graphs:  # (the device is known once the Trainer has set the strategy up)
             check_runtime_options(self.root_device.type, self.dims, compile_layers=self.compile,
                                   cuda_graphs=self.cuda_graphs, activation_checkpointing=self.activation_checkpointing)
@@ -310,7 +317,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
                                                  self.activation_checkpointing, self.compile, experts)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
                                       module.pipeline_loss, self.dims, self.compile, self.cuda_graphs,
-                                      say=rank_zero_info)
+                                      say=rank_zero_info, router_loss=self.plan.router_loss_for())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import exact_model
 import torch
+import torch.nn.functional as F
 from exact_compare import PRECISION
 from lightning.pytorch import Callback, Trainer
 from packed_rows import PackedRows
@@ -92,6 +93,16 @@ def experts_kwargs(family: str) -> dict:
     kernel) has no float64 kernel, so the exactness runs (float64) use transformers' loop over the experts, "eager"
     (the same math); bfpp runs the experts module's own forward either way."""
     return {"experts_implementation": "eager"} if family in MIXTURES else {}
+
+
+def load_balancing_loss64(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (no attention mask) in float64: transformers 5 sums the router
+    probabilities in float32, which a float64 reference cannot use. Every layer's router logits together: the number
+    of experts times the sum over experts of (the fraction of top-k picks it gets) x (its mean router probability)."""
+    probs = torch.softmax(torch.cat(router_logits), dim=-1)  # (layers x tokens, E)
+    num_experts = probs.shape[-1]
+    picks = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, num_experts).to(probs.dtype)  # (rows, k, E)
+    return num_experts * torch.sum(picks.mean(0) * probs.mean(0))
 
 
 def dataset(ignored: bool = False) -> TensorDataset:

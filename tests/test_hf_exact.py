@@ -17,7 +17,17 @@ from exact_compare import ELEMENT_BYTES, assert_exact
 from launch import ROOT, Launches, merged
 from one_process import as_float64, train
 from packed_rows import PackedRows, alone_loss_sum, document_losses, global_batches, segments
-from run_hf_exact import LR, SAMPLES, SEQ, VOCAB, WIDTH, experts_kwargs, hf_model, lightning_batches
+from run_hf_exact import (
+    LR,
+    SAMPLES,
+    SEQ,
+    VOCAB,
+    WIDTH,
+    experts_kwargs,
+    hf_model,
+    lightning_batches,
+    load_balancing_loss64,
+)
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli
 
@@ -114,16 +124,6 @@ def reference(family: str, data_parallel: int, tie: bool | None = None, attn: st
     losses = train(model, torch.optim.SGD(model.parameters(), lr=LR),
                    ([next(data) for _ in range(accumulate)] for _ in range(STEPS)), loss, micro_batches=micro_batches)
     return model, losses, aux_losses
-
-
-def load_balancing_loss64(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
-    """transformers' ``load_balancing_loss_func`` (no attention mask) in float64: transformers 5 sums the router
-    probabilities in float32, which a float64 reference cannot use. Every layer's router logits together: the number
-    of experts times the sum over experts of (the fraction of top-k picks it gets) x (its mean router probability)."""
-    probs = torch.softmax(torch.cat(router_logits), dim=-1)  # (layers x tokens, E)
-    num_experts = probs.shape[-1]
-    picks = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, num_experts).to(probs.dtype)  # (rows, k, E)
-    return num_experts * torch.sum(picks.mean(0) * probs.mean(0))
 
 
 def micro_batches(cfg: dict, data_parallel: int) -> int:

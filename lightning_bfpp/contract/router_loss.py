@@ -88,8 +88,9 @@ def _micro_batch_loss(stats: torch.Tensor, items: torch.Tensor, coef: float, tot
     """``coef x aux_loss x items`` of this micro-batch alone. Under context parallel a micro-batch's sequences are
     shared by the group's ranks: its picks, rows and items are summed over the group (no gradient, as the picks carry
     none), and each rank's loss is linear in its own probability sums, so that the group's losses add up to the
-    micro-batch's and each rank's gradient is the micro-batch's with respect to its part. Adds the micro-batch's
-    ``router_aux x items`` (this rank's part of it) to the step's totals, for `step_aux_loss`."""
+    micro-batch's and each rank's gradient is the micro-batch's with respect to its part. Its value is 0, as the
+    whole step's (the loss logged is the model's own); it adds the micro-batch's ``router_aux x items`` (this rank's
+    part of it) to the step's totals, for `step_aux_loss`."""
     whole, count = stats.detach(), items.detach().reshape(1).to(stats.dtype)
     shard = context_parallel.current()
     if shard is not None and shard.size > 1:
@@ -101,7 +102,8 @@ def _micro_batch_loss(stats: torch.Tensor, items: torch.Tensor, coef: float, tot
     num_experts, rows = stats.shape[1] - 1, whole[1, -1]
     aux_part = num_experts * torch.sum((whole[1, :-1] / rows) * (stats[0, :-1] / rows))  # sums to aux_loss over cp
     totals.add("router_aux", (aux_part * count).reshape(1))
-    return coef * aux_part * count.squeeze(0)
+    loss = coef * aux_part * count.squeeze(0)
+    return loss - loss.detach()  # its gradient, and no value: logged after the step (`step_aux_loss`), as "batch"
 
 
 def step_aux_loss(totals: StepTotals) -> torch.Tensor:

@@ -12,10 +12,11 @@ parallel), pp, loops, m, steps, batch (global), precision (default "64-true": te
 (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
 CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
 batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each data-parallel
-replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel). Rank R of config i writes
-OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of the parameters split
-over tensor-parallel ranks], "message_bytes": the largest activation message it sent, "expert_bytes": bytes of the
-experts' weights it holds, "expert_state_bytes": their optimizer state}."""
+replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel), schedule, router_loss (a
+mixture's: batch|micro_batch, given to BFPPStrategy as given; the tests' reference reads the config's value). Rank R
+of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of
+the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
+"expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}."""
 
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
                             sequence_parallel=cfg.get("sp"), context_parallel=cfg.get("cp", 1),
                             activation_checkpointing=cfg.get("ac", False), expert_parallel=cfg.get("ep", 1),
+                            schedule=cfg.get("schedule"), router_loss=cfg.get("router_loss"),
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),

@@ -30,8 +30,9 @@ from lightning_bfpp.schedule.dims import DP, EDP, EP, LayoutError, ParallelDims,
 MOE = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, n_experts=4, top_k=2, router_aux_loss_coef=0.5)
 
 
-def _dims(world: int, pp: int, ep: int, **kw) -> ParallelDims:
-    return ParallelDims(world=world, spec=ScheduleSpec(pipeline_parallel=pp), expert_parallel=ep, **kw).validate()
+def _dims(world: int, pp: int, ep: int, schedule: str = "breadth_first", **kw) -> ParallelDims:
+    return ParallelDims(world=world, spec=ScheduleSpec(schedule, pipeline_parallel=pp, loops=2), expert_parallel=ep,
+                        **kw).validate()
 
 
 def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_group():
@@ -55,6 +56,9 @@ def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_gr
     (dict(world=4, pp=1, ep=2, tensor_parallel=2), r"expert_parallel=2 with tensor_parallel=2: expert parallel does "
                                                    r"not combine with tensor parallel yet"),
     (dict(world=4, pp=1, ep=2, sharding="none"), r"expert_parallel=2 with sharding='none'.*use sharding=full"),
+    (dict(world=4, pp=1, ep=2, schedule="breadth_first_zb"), r"expert_parallel=2 with schedule='breadth_first_zb': "
+                                                             r"the zero-bubble split backward .*use schedule="
+                                                             r"'breadth_first'"),
     (dict(world=4, pp=1, ep=0), r"expert_parallel=0 must be a positive integer"),
 ])
 def test_bad_expert_parallel_settings_name_the_setting(kwargs, message):

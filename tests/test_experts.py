@@ -3,8 +3,9 @@
 and settings BFPPStrategy refuses before launch, and the example's MoE in one process in float64 (its router loss over
 micro-batches from the step's totals, the whole batch's or each micro-batch's own; its grouped matmul). In one launch of
 4 processes (tests/run_tp.py, float64, against tests/one_process.train): the example's MoE under 1F1B, depth-first,
-zero bubble and breadth-first in 2 groups with router_loss="micro_batch" (ep=2 where dp is 2; pp=2 x cp=2 too), and
-breadth-first with the whole batch's ("batch"). Also trained against one process: tests/test_hf_exact.py (Mixtral,
+zero bubble and breadth-first in 2 groups with router_loss="micro_batch" (ep=2 where dp is 2; pp=2 x cp=2 too),
+breadth-first with the whole batch's ("batch"), and expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
+and depth-first). Also trained against one process: tests/test_hf_exact.py (Mixtral,
 Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel
 sizes)."""
 
@@ -47,6 +48,23 @@ def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_gr
         copy, part = dims.expert_coordinates(rank)
         assert dims.group(EP, rank)[part] == rank and dims.group(EDP, rank)[copy] == rank
     assert default_pipeline_parallel(8, expert_parallel=2) == 4  # every rank a pipeline rank but the ep replicas
+
+
+def test_under_context_parallel_an_expert_group_is_one_context_coordinate_and_the_copies_span_the_others():
+    """ep x cp: the tokens of a sequence shard are dispatched within the ranks holding that shard of their replicas'
+    sequences (one cp coordinate), and every rank holding the same experts (copies x cp ranks) reduces their gradients:
+    the experts' mesh lays out every rank once."""
+    dims = _dims(16, 2, 2, context_parallel=2)  # dp 4 = 2 copies x 2 parts, x cp 2
+    assert dims.expert_mesh_shape == (2, 4, 2) and dims.data_parallel == 4
+    ranks = dims.expert_mesh_ranks()
+    assert sorted(r for p in ranks for row in p for r in row) == list(range(16))
+    for rank in range(16):
+        ep, edp = dims.group(EP, rank), dims.group(EDP, rank)
+        assert len({dims.coordinates(r).context for r in ep}) == 1  # one sequence shard
+        assert {r for c in edp for r in dims.group(EP, c)} == set(dims.gradient_group(rank))  # dp x cp
+        pipeline = ranks[dims.coordinates(rank).pipeline]
+        assert ep in pipeline  # a row of the mesh: its EP dimension
+        assert edp == [row[ep.index(rank)] for row in pipeline]  # a column: its EDP dimension, in the mesh's order
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -241,6 +259,9 @@ LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss ea
     "groups2": {"pp": 2, "loops": 2, "m": 4, "groups": 2, **F64},
     "1f1b-cp2": {"pp": 2, "cp": 2, "m": 2, "schedule": "1f1b", **F64},
     "breadth_first-batch-ep2": {"pp": 2, "loops": 2, "m": 2, "ep": 2, **F64},
+    # expert x context parallel: pp=1 x dp=2 x cp=2, the experts split over the 2 replicas at each cp coordinate
+    "ep2-cp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "cp": 2, **F64},
+    "depth_first-ep2-cp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "cp": 2, "schedule": "depth_first", **F64},
 }
 
 

@@ -19,7 +19,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_bfpp.contract.context_parallel import attention, token_positions
 from lightning_bfpp.contract.documents import document_causal_mask, document_positions, split_documents
 from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
-from lightning_bfpp.contract.router_loss import load_balancing_loss, router_loss, router_stats
+from lightning_bfpp.contract.router_loss import load_balancing_loss, router_loss, router_stats, step_aux_loss
 from lightning_bfpp.contract.step_totals import active_step_totals
 from lightning_bfpp.sim.model import training_flops_per_token
 
@@ -74,10 +74,10 @@ class Embedding(nn.Module):
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows (N, K) sorted by expert, weights (E, K, M), ends (E,): expert e's rows end at ends[e] -> (N, M). torch's
-    grouped matmul where it runs (float32 or bf16, its CPU kernel wants rows of a multiple of 16 bytes), else one
-    matmul per expert (float64 too)."""
-    fits = all(d * rows.element_size() % 16 == 0 for d in weights.shape[1:])
-    if hasattr(F, "grouped_mm") and rows.dtype != torch.float64 and fits:
+    grouped matmul where it runs (float32 or half types; its CPU kernel wants rows of a multiple of 16 bytes), else one
+    matmul per expert."""
+    kernel = rows.dtype in (torch.float32, torch.bfloat16, torch.float16)  # (no float64 kernel: precision="64-true")
+    if hasattr(F, "grouped_mm") and kernel and all(d * rows.element_size() % 16 == 0 for d in weights.shape[1:]):
         return F.grouped_mm(rows, weights, offs=ends.to(torch.int32))
     starts = [0, *ends.tolist()[:-1]]
     return torch.cat([rows[a:b] @ w for a, b, w in zip(starts, ends.tolist(), weights)])
@@ -208,8 +208,8 @@ class GPT(PipelineHooks, L.LightningModule):
             raise ValueError(f"model.top_k={cfg.top_k!r} must be between 1 and model.n_experts={cfg.n_experts} (the "
                              "experts each token goes to).")
         self.cfg, self.optim = cfg, optim or OptimConfig()
-        # a mixture of experts: the router's loss reads the whole step's routing (bfpp refuses schedules that start a
-        # backward before the step's last forward); the step's totals are kept to log it (pipeline_step_logs)
+        # a mixture of experts: the router's loss through the step's totals (the whole step's routing, or each
+        # micro-batch's own: BFPPStrategy(router_loss=...)); the step's totals are kept to log it (pipeline_step_logs)
         self.pipeline_uses_step_totals = cfg.n_experts > 0
         self._router_totals = None
         self.embedding = Embedding(cfg)
@@ -320,23 +320,24 @@ class GPT(PipelineHooks, L.LightningModule):
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed nats, counted targets): targets of -100 (prompt tokens, padding) are not counted, and bfpp trains
         the mean over the global batch's counted targets, as one process. A mixture of experts adds its router's
-        load-balancing loss over the whole batch x router_aux_loss_coef x counted targets (contract.router_loss)."""
+        load-balancing loss x router_aux_loss_coef x counted targets (contract.router_loss: over the whole batch, or
+        under bfpp's router_loss="micro_batch" over each micro-batch)."""
         loss, items = self._lm_loss(output, target)
         if self.cfg.n_experts:
             self._router_totals = active_step_totals()  # under bfpp: the step's routing, logged after it
             loss = loss + router_loss(self.head.last_stats, items, self.cfg.router_aux_loss_coef)
         return loss, items
 
-    def _log_routing(self, stats: torch.Tensor, **kwargs: Any) -> None:
-        """The batch's router loss (train_aux_loss) and how unevenly the experts are picked (train_expert_load: the
-        busiest expert's share of the picks x n_experts; 1 is perfectly even)."""
+    def _log_routing(self, stats: torch.Tensor, aux: torch.Tensor, **kwargs: Any) -> None:
+        """The router loss trained (train_aux_loss) and how unevenly the batch's experts are picked (train_expert_load:
+        the busiest expert's share of the picks x n_experts; 1 is perfectly even)."""
         picks = stats[1, :-1]
-        self.log("train_aux_loss", load_balancing_loss(stats), **kwargs)
+        self.log("train_aux_loss", aux, **kwargs)
         self.log("train_expert_load", picks.max() / picks.sum() * picks.numel(), **kwargs)
 
     def pipeline_step_logs(self) -> None:
         if self.cfg.n_experts and self._router_totals is not None:
-            self._log_routing(self._router_totals.total("router_stats"))
+            self._log_routing(self._router_totals.total("router_stats"), step_aux_loss(self._router_totals))
 
     # ---- plain Lightning (no bfpp): the same loss under the same names ----
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -353,7 +354,7 @@ class GPT(PipelineHooks, L.LightningModule):
         output = self(x)
         self.log("train_loss", mean_loss(self._lm_loss(output, y)), prog_bar=True, sync_dist=True)  # as bfpp logs it
         if self.cfg.n_experts:
-            self._log_routing(self.head.last_stats, sync_dist=True)
+            self._log_routing(self.head.last_stats, load_balancing_loss(self.head.last_stats), sync_dist=True)
         return mean_loss(self.pipeline_loss(output, y))
 
     def _eval(self, batch, metrics: MetricCollection) -> torch.Tensor:

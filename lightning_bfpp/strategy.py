@@ -97,6 +97,9 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
         cross_step_overlap: start the next step's first all-gathers right after each optimizer step (docs/settings.md).
         cuda_graphs: capture each local stage's training forward and backward as CUDA graphs, one per micro-batch.
+        router_loss: a mixture of experts' load-balancing loss in a step (``contract.router_loss``): "batch" (the whole
+            step's; gpipe, breadth_first with groups=1) or "micro_batch" (each micro-batch's own; any schedule).
+            Default: "batch" where the schedule allows it, else "micro_batch", printed at start.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
     into any other layout; ``storage.names`` spells the settings storage errors name. See ``lightning_bfpp.checkpoint``.
@@ -116,6 +119,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         expert_parallel: int = 1, context_parallel: int = 1, loops: int | None = None,
         micro_batches: int | None = None, schedule: str | None = None, groups: int | None = None,
         sharding: Literal["full", "none"] | None = None, stage_layers: Sequence[int] | Literal["auto"] | None = None,
+        router_loss: Literal["batch", "micro_batch"] | None = None,
         # performance: what each step keeps, recomputes, compiles and overlaps
         reshard_after_forward: bool | None = None, activation_checkpointing: bool = False,
         compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
@@ -136,7 +140,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
             pipeline_parallel=pipeline_parallel, tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel,
             loops=loops, micro_batches=micro_batches, schedule=schedule, groups=groups, sharding=sharding,
             reshard_after_forward=reshard_after_forward, stage_layers=stage_layers, layout=layout,
-            global_batch_size=global_batch_size, expert_parallel=expert_parallel, context_parallel=context_parallel)
+            global_batch_size=global_batch_size, expert_parallel=expert_parallel, context_parallel=context_parallel,
+            router_loss=router_loss)
         self._contract_announced = False
         self._check_batch = True  # the next batch is compared across the ranks of each replica (adapter.same_batch)
         self.activation_checkpointing, self.compile = bool(activation_checkpointing), bool(compile)
@@ -162,6 +167,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
     expert_parallel = property(lambda self: self.plan.dims.expert_parallel)
     sequence_parallel = property(lambda self: self.plan.dims.sequence_parallel)
     context_parallel = property(lambda self: self.plan.dims.context_parallel)
+    router_loss = property(lambda self: self.plan.router_loss_for(), doc="The router loss's definition in a step.")
     data_parallel = property(lambda self: self.plan.dims.data_parallel)
     sharding = property(lambda self: self.plan.dims.sharding)
     loops = property(lambda self: self.plan.dims.spec.loops)
@@ -292,6 +298,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
             self._contract_announced = True
             announce_contract(module, self.spec.pipeline_parallel, self.spec.micro_batches)
         stages = self.plan.check_model(module, layers)
+        if line := self.plan.router_loss_line(module):
+            rank_zero_info(line)
         if self.compile or self.cuda_graphs:  # (the device is known once the Trainer has set the strategy up)
             check_runtime_options(self.root_device.type, self.dims, compile_layers=self.compile,
                                   cuda_graphs=self.cuda_graphs, activation_checkpointing=self.activation_checkpointing)
@@ -317,7 +325,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
                                                  self.activation_checkpointing, self.compile, experts)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
                                       module.pipeline_loss, self.dims, self.compile, self.cuda_graphs,
-                                      say=rank_zero_info)
+                                      say=rank_zero_info, router_loss=self.plan.router_loss_for())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

@@ -12,10 +12,11 @@ parallel), pp, loops, m, steps, batch (global), precision (default "64-true": te
 (accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
 CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
 batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each data-parallel
-replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel). Rank R of config i writes
-OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of the parameters split
-over tensor-parallel ranks], "message_bytes": the largest activation message it sent, "expert_bytes": bytes of the
-experts' weights it holds, "expert_state_bytes": their optimizer state}."""
+replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel), schedule, router_loss (a
+mixture's: batch|micro_batch, given to BFPPStrategy as given; the tests' reference reads the config's value). Rank R
+of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of
+the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
+"expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import exact_model
 import torch
+import torch.nn.functional as F
 from exact_compare import PRECISION
 from lightning.pytorch import Callback, Trainer
 from packed_rows import PackedRows
@@ -109,6 +111,16 @@ def experts_kwargs(family: str) -> dict:
     return {"experts_implementation": "eager"} if family in MIXTURES else {}
 
 
+def load_balancing_loss64(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (no attention mask) in float64: transformers 5 sums the router
+    probabilities in float32, which a float64 reference cannot use. Every layer's router logits together: the number
+    of experts times the sum over experts of (the fraction of top-k picks it gets) x (its mean router probability)."""
+    probs = torch.softmax(torch.cat(router_logits), dim=-1)  # (layers x tokens, E)
+    num_experts = probs.shape[-1]
+    picks = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, num_experts).to(probs.dtype)  # (rows, k, E)
+    return num_experts * torch.sum(picks.mean(0) * probs.mean(0))
+
+
 def dataset(ignored: bool = False) -> TensorDataset:
     """(input_ids, next tokens); `ignored`: each row's prompt and padding, of random lengths, have -100 targets (not
     counted by the loss), as fine-tuning data has, so rows and micro-batches count different numbers of targets."""
@@ -154,6 +166,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
                             sequence_parallel=cfg.get("sp"), context_parallel=cfg.get("cp", 1),
                             activation_checkpointing=cfg.get("ac", False), expert_parallel=cfg.get("ep", 1),
+                            schedule=cfg.get("schedule"), router_loss=cfg.get("router_loss"),
                             timeout=timedelta(seconds=120))
     record = Losses()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),

@@ -6,9 +6,11 @@ Config keys: pp, tp, sp (sequence parallel), cp (context parallel), compile, loo
 and padding targets of -100), accumulate (accumulate_grad_batches), save_every + save_dir (ModelCheckpoint
 "step=N.ckpt"), resume (ckpt_path), packed (rows packing 2-4 documents, tests/packed_rows.py; after fit the logits of
 the first `batch` rows are predicted: "predicted", replica r of dp predicting rows r, r + dp, ...: "replica" (r, dp)),
-moe (a mixture of 4 experts, 2 per token, in every block, with its router loss), ep (expert_parallel).
+moe (a mixture of 4 experts, 2 per token, in every block, with its router loss), ep (expert_parallel), groups,
+router_loss (batch|micro_batch; default: the schedule's).
 Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor}, "local_shapes",
-"tp_split": names split over tensor parallel, "losses", "memory": this rank's parameter/gradient/optimizer bytes,
+"tp_split": names split over tensor parallel, "losses", "aux_losses" (train_aux_loss), "memory": this rank's
+parameter/gradient/optimizer bytes,
 "message_bytes": the largest activation message it sent, "kv_gather_bytes": the keys and values one attention layer
 all-gathered (context parallel; the largest over ranks)}.
 """
@@ -74,9 +76,12 @@ def lightning_batches(global_batch: int, data_parallel: int,
 class Losses(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.aux_losses: list[float] = []  # a mixture of experts' router loss (train_aux_loss)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        if "train_aux_loss" in trainer.callback_metrics:
+            self.aux_losses.append(float(trainer.callback_metrics["train_aux_loss"]))
 
 
 def run(cfg: dict, devices: int, out: Path) -> None:
@@ -89,7 +94,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         micro_batches=cfg.get("m"),
         schedule=cfg.get("schedule", "breadth_first"), sharding=cfg.get("sharding", "full"),
         activation_checkpointing=cfg.get("ac", False), timeout=timedelta(seconds=120), expert_parallel=cfg.get("ep", 1),
-        compile=cfg.get("compile", False),
+        compile=cfg.get("compile", False), groups=cfg.get("groups"), router_loss=cfg.get("router_loss"),
     )
     losses = Losses()
     callbacks: list[Callback] = [losses]
@@ -117,7 +122,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     local = {n: tuple((p.to_local() if hasattr(p, "to_local") else p).shape) for n, p in named}
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"params": params, "local_shapes": local, "tp_split": sorted(n for n, p in named if tp_sharded(p)),
-                "losses": losses.losses, "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank),
+                "losses": losses.losses, "aux_losses": losses.aux_losses,
+                "memory": strategy.step_stats.get("memory", {}).get(trainer.global_rank),
                 "message_bytes": strategy.runner.message_bytes, "predicted": predicted,
                 "kv_gather_bytes": strategy.step_stats.get("kv_gather_bytes"),
                 "replica": (strategy.distributed_sampler_kwargs["rank"],

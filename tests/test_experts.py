@@ -1,16 +1,28 @@
-"""Expert parallel without processes: the layout's rules (ParallelDims: ep inside dp, its groups and coordinates, the
-settings it refuses), which modules are experts, the models and settings BFPPStrategy refuses before launch, and the
-example's mixture of experts in one process (its router loss over micro-batches from the step's totals, its grouped
-matmul). Trained against one process: tests/test_hf_exact.py (Mixtral, Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2)
-and tests/test_tensor_parallel.py (the example's MoE at ep=2, resumed across expert-parallel sizes)."""
+"""Expert parallel and the router loss of the example's mixture of experts. Without processes: the layout's rules
+(ParallelDims: ep inside dp, its groups and coordinates, the settings it refuses), which modules are experts, the models
+and settings BFPPStrategy refuses before launch, and the example's MoE in one process in float64 (its router loss over
+micro-batches from the step's totals, the whole batch's or each micro-batch's own; its grouped matmul). In one launch of
+4 processes (tests/run_tp.py, float64, against tests/one_process.train): the example's MoE under 1F1B, depth-first,
+zero bubble and breadth-first in 2 groups with router_loss="micro_batch" (ep=2 where dp is 2; pp=2 x cp=2 too),
+breadth-first with the whole batch's ("batch"), and expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
+and depth-first). Also trained against one process: tests/test_hf_exact.py (Mixtral,
+Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel
+sizes)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-from gpt import GPT, Experts, GPTConfig, grouped_matmul
+import contextlib
 
-from lightning_bfpp import BFPPStrategy
+import pytest
+import run_tp
+import torch
+from exact_compare import assert_exact
+from gpt import GPT, Experts, GPTConfig, grouped_matmul
+from launch import ROOT, Launches, merged
+from one_process import as_float64, train
+
+from lightning_bfpp import BFPPStrategy, mean_loss
+from lightning_bfpp.contract.router_loss import load_balancing_loss, step_aux_loss
 from lightning_bfpp.contract.step_totals import StepTotals, step_totals
 from lightning_bfpp.layout.experts import check_experts, experts_modules, is_experts
 from lightning_bfpp.schedule import ScheduleSpec
@@ -19,8 +31,9 @@ from lightning_bfpp.schedule.dims import DP, EDP, EP, LayoutError, ParallelDims,
 MOE = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, n_experts=4, top_k=2, router_aux_loss_coef=0.5)
 
 
-def _dims(world: int, pp: int, ep: int, **kw) -> ParallelDims:
-    return ParallelDims(world=world, spec=ScheduleSpec(pipeline_parallel=pp), expert_parallel=ep, **kw).validate()
+def _dims(world: int, pp: int, ep: int, schedule: str = "breadth_first", **kw) -> ParallelDims:
+    return ParallelDims(world=world, spec=ScheduleSpec(schedule, pipeline_parallel=pp, loops=2), expert_parallel=ep,
+                        **kw).validate()
 
 
 def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_group():
@@ -37,6 +50,23 @@ def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_gr
     assert default_pipeline_parallel(8, expert_parallel=2) == 4  # every rank a pipeline rank but the ep replicas
 
 
+def test_under_context_parallel_an_expert_group_is_one_context_coordinate_and_the_copies_span_the_others():
+    """ep x cp: the tokens of a sequence shard are dispatched within the ranks holding that shard of their replicas'
+    sequences (one cp coordinate), and every rank holding the same experts (copies x cp ranks) reduces their gradients:
+    the experts' mesh lays out every rank once."""
+    dims = _dims(16, 2, 2, context_parallel=2)  # dp 4 = 2 copies x 2 parts, x cp 2
+    assert dims.expert_mesh_shape == (2, 4, 2) and dims.data_parallel == 4
+    ranks = dims.expert_mesh_ranks()
+    assert sorted(r for p in ranks for row in p for r in row) == list(range(16))
+    for rank in range(16):
+        ep, edp = dims.group(EP, rank), dims.group(EDP, rank)
+        assert len({dims.coordinates(r).context for r in ep}) == 1  # one sequence shard
+        assert {r for c in edp for r in dims.group(EP, c)} == set(dims.gradient_group(rank))  # dp x cp
+        pipeline = ranks[dims.coordinates(rank).pipeline]
+        assert ep in pipeline  # a row of the mesh: its EP dimension
+        assert edp == [row[ep.index(rank)] for row in pipeline]  # a column: its EDP dimension, in the mesh's order
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world=4, pp=2, ep=4), r"expert_parallel=4 must divide the data-parallel size 2 .*use expert_parallel in "
                                 r"\[1, 2\]"),
@@ -44,6 +74,9 @@ def test_expert_parallel_groups_are_consecutive_replicas_of_the_data_parallel_gr
     (dict(world=4, pp=1, ep=2, tensor_parallel=2), r"expert_parallel=2 with tensor_parallel=2: expert parallel does "
                                                    r"not combine with tensor parallel yet"),
     (dict(world=4, pp=1, ep=2, sharding="none"), r"expert_parallel=2 with sharding='none'.*use sharding=full"),
+    (dict(world=4, pp=1, ep=2, schedule="breadth_first_zb"), r"expert_parallel=2 with schedule='breadth_first_zb': "
+                                                             r"the zero-bubble split backward .*use schedule="
+                                                             r"'breadth_first'"),
     (dict(world=4, pp=1, ep=0), r"expert_parallel=0 must be a positive integer"),
 ])
 def test_bad_expert_parallel_settings_name_the_setting(kwargs, message):
@@ -86,22 +119,51 @@ def test_experts_are_transformers_fused_experts_and_not_their_routers():
     assert [type(m) for _, m in experts_modules(GPT(MOE))] == [Experts, Experts]
 
 
-def test_the_examples_router_loss_over_micro_batches_is_the_whole_batchs():
-    """What a pipeline step computes, in one process: 4 micro-batches whose losses add routing statistics to the
-    step's totals; the summed gradient over the counted targets equals the whole batch's (router loss included)."""
+def _example_step(router_loss: str | None) -> tuple[dict[str, torch.Tensor], StepTotals | None, int]:
+    """The example MoE (float64) on an 8-row batch: in one process on the whole batch (None), or as a pipeline step
+    computes it, 4 micro-batches whose losses add routing statistics to the step's totals (`router_loss`: the step's
+    definition). The gradients are the summed losses' over the counted targets, divided after the backward."""
     torch.manual_seed(0)
-    model = GPT(MOE)
+    model = as_float64(GPT(MOE))
     x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
-    loss, items = model.pipeline_loss(model(x), y)
-    (loss / items).backward()
-    whole = {n: p.grad.clone() for n, p in model.named_parameters()}
-    assert whole["blocks.0.mlp.router.weight"].abs().max() > 0
-    model.zero_grad()
-    with step_totals(StepTotals()):
-        parts = [model.pipeline_loss(model(a), b) for a, b in zip(x.chunk(4), y.chunk(4))]
+    totals = StepTotals(router_loss=router_loss) if router_loss else None
+    with step_totals(totals) if totals else contextlib.nullcontext():
+        parts = [model.pipeline_loss(model(a), b) for a, b in zip(x.chunk(4 if totals else 1), y.chunk(4 if totals
+                                                                                                         else 1))]
         torch.stack([part for part, _ in parts]).sum().backward()
-    worst = max((p.grad / items - whole[n]).abs().max().item() for n, p in model.named_parameters())
-    assert worst <= 1e-6
+    items = sum(int(n) for _, n in parts)
+    return {n: p.grad / items for n, p in model.named_parameters()}, totals, items
+
+
+def test_the_examples_router_loss_over_micro_batches_is_the_whole_batchs():
+    """router_loss="batch": the summed gradient over the counted targets equals the whole batch's (router loss
+    included)."""
+    whole, _, _ = _example_step(None)
+    assert whole["blocks.0.mlp.router.weight"].abs().max() > 0
+    grads, totals, _ = _example_step("batch")
+    assert_exact(grads, whole, "grads")
+    assert_exact(step_aux_loss(totals), load_balancing_loss(totals.total("router_stats")), "train_aux_loss")
+
+
+def test_the_examples_router_loss_per_micro_batch_is_each_micro_batchs_own():
+    """router_loss="micro_batch": the gradient of each micro-batch's own router loss x its counted targets, as one
+    process computes it micro-batch by micro-batch (tests/one_process.train); not the whole batch's."""
+    grads, totals, items = _example_step("micro_batch")
+    torch.manual_seed(0)
+    model = as_float64(GPT(MOE))
+    x, y = torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))
+    auxes = []
+
+    def loss(model, batch):
+        total, counted = model.pipeline_loss(model(batch[0]), batch[1])
+        auxes.append(load_balancing_loss(model.head.last_stats).item() * int(counted))
+        return total, counted, 0.0
+
+    train(model, torch.optim.SGD(model.parameters(), lr=0.0), [[(x, y)]], loss, micro_batches=4)
+    assert_exact(grads, {n: p.grad for n, p in model.named_parameters()}, "grads")
+    assert_exact(step_aux_loss(totals), sum(auxes) / items, "train_aux_loss")
+    whole, _, _ = _example_step(None)
+    assert (grads["blocks.0.mlp.router.weight"] - whole["blocks.0.mlp.router.weight"]).abs().max() > 1e-6
 
 
 def test_grouped_matmul_is_one_matmul_per_expert():
@@ -185,3 +247,67 @@ def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_
         schedule = build_schedule(ScheduleSpec(name, pipeline_parallel=1, micro_batches=4))
         times[name] = [simulate(schedule, costs, SimOptions(expert_overlap=o)).step_time for o in (False, True)]
     assert times["gpipe"] == [16.0, 12.5] and times["1f1b"] == [16.0, 14.5]
+
+
+# ---- the example's MoE against one process, in float64 (one launch of 4 processes) ----
+STEPS, BATCH = 3, 8
+F64 = {"moe": True, "precision": "64-true"}
+LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss each schedule gets by default unless given
+    "1f1b-ep2": {"pp": 2, "m": 4, "schedule": "1f1b", "ep": 2, **F64},
+    "depth_first-ep2": {"pp": 2, "loops": 2, "m": 2, "schedule": "depth_first", "ep": 2, **F64},
+    "zero_bubble": {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "router_loss": "micro_batch", **F64},
+    "groups2": {"pp": 2, "loops": 2, "m": 4, "groups": 2, **F64},
+    "1f1b-cp2": {"pp": 2, "cp": 2, "m": 2, "schedule": "1f1b", **F64},
+    "breadth_first-batch-ep2": {"pp": 2, "loops": 2, "m": 2, "ep": 2, **F64},
+    # expert x context parallel: pp=1 x dp=2 x cp=2, the experts split over the 2 replicas at each cp coordinate
+    "ep2-cp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "cp": 2, **F64},
+    "depth_first-ep2-cp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "cp": 2, "schedule": "depth_first", **F64},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Launches:
+    """tests/run_tp.py on 4 processes: `runs(4)[config name]`."""
+    return Launches(tmp_path_factory, lambda devices, out: (devices, LAUNCH), script=ROOT / "tests" / "run_tp.py",
+                    timeout=600)
+
+
+def example_reference(data_parallel: int, parts: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """The example MoE in one process, float64, SGD on Lightning's data order, each global batch in `parts` equal
+    micro-batches each with its own router loss (1: the whole batch's): (parameters, train_loss and train_aux_loss of
+    each step)."""
+    torch.manual_seed(0)
+    model = as_float64(GPT(run_tp.model_config(moe=True), run_tp.optim_config("sgd")))
+    o = model.optim
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    auxes: list[tuple[float, int]] = []
+
+    def loss(model, batch):
+        x, y = batch
+        output = model(x)
+        total, items = model.pipeline_loss(output, y)  # + the router loss of what it is given x counted targets
+        auxes.append((load_balancing_loss(model.head.last_stats).item(), int(items)))
+        return total, items, mean_loss(model._lm_loss(output, y)).item()
+
+    batches = run_tp.lightning_batches(BATCH, data_parallel)[:STEPS]
+    losses = train(model, torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum), ([b] for b in batches), loss,
+                   micro_batches=parts)
+    steps = [auxes[t * parts:(t + 1) * parts] for t in range(STEPS)]
+    aux_losses = [sum(a * n for a, n in step) / sum(n for _, n in step) for step in steps]
+    return dict(model.named_parameters()), losses, aux_losses
+
+
+@pytest.mark.parametrize("name", list(LAUNCH))
+def test_the_examples_moe_trains_as_one_process_under_every_schedule(runs, name):
+    cfg = LAUNCH[name]
+    dp = 4 // (cfg["pp"] * cfg.get("cp", 1))
+    micro_batch = cfg.get("router_loss") == "micro_batch" or cfg.get("schedule") in ("1f1b", "depth_first") or \
+        cfg.get("groups", 1) > 1
+    params, losses, aux_losses = example_reference(dp, dp * cfg["m"] if micro_batch else 1)
+    ranks = runs(4)[name]
+    assert_exact(merged(ranks), params, "params")
+    assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
+    assert_exact(ranks[0]["losses"], losses, "train_loss")
+    assert all(r["aux_losses"] == ranks[0]["aux_losses"] for r in ranks)
+    assert_exact(ranks[0]["aux_losses"], aux_losses, "train_aux_loss")

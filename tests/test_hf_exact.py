@@ -17,7 +17,17 @@ from exact_compare import ELEMENT_BYTES, assert_exact
 from launch import ROOT, Launches, merged
 from one_process import as_float64, train
 from packed_rows import PackedRows, alone_loss_sum, document_losses, global_batches, segments
-from run_hf_exact import LR, SAMPLES, SEQ, VOCAB, WIDTH, experts_kwargs, hf_model, lightning_batches
+from run_hf_exact import (
+    LR,
+    SAMPLES,
+    SEQ,
+    VOCAB,
+    WIDTH,
+    experts_kwargs,
+    hf_model,
+    lightning_batches,
+    load_balancing_loss64,
+)
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli
 
@@ -37,12 +47,15 @@ COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ig
 # their experts split over the 2 data-parallel ranks (expert_parallel=2: pp=2 x dp=2 x ep=2), DeepSeek-V3 (a shared
 # expert beside the routed ones, no router loss) too
 ROUTED = [{"family": "mixtral", "m": 4}, {"family": "qwen3_moe"}]
+# the router loss of each micro-batch (router_loss="micro_batch"): 1F1B (its default) and zero bubble
+MICRO_BATCH = [{"family": "qwen3_moe", "schedule": "1f1b", "loops": 1, "m": 4},
+               {"family": "mixtral", "schedule": "breadth_first_zb", "router_loss": "micro_batch"}]
 # windows packing 2-4 documents (token batches with document ids): each document trains and predicts as if alone
 PACKED = [{"family": "llama", "packed": True}, {"family": "gpt2", "packed": True}]
 EXPERT_PARALLEL = [{"family": "mixtral", "m": 4, "ep": 2}, {"family": "qwen3_moe", "ep": 2},
                    {"family": "deepseek_v3", "ep": 2}]
 RUNS = {2: [*CONFIGS[:2], {"family": "gemma3"}, *PRETRAINED, COUNTED[0], PACKED[1], {"family": "mixtral"}],  # dp 1
-        4: [*CONFIGS, *PRETRAINED, *COUNTED, PACKED[0], *ROUTED, *EXPERT_PARALLEL]}  # dp 2
+        4: [*CONFIGS, *PRETRAINED, *COUNTED, PACKED[0], *ROUTED, *EXPERT_PARALLEL, *MICRO_BATCH]}  # dp 2
 # tensor parallel by the model's own plan (base_model_tp_plan): pp=2 x loops=2 x tp=2 on 4 processes (dp 1), 2 key/value
 # heads (one per tp rank); Qwen2 ties its embeddings (they stay whole), Mistral attends within a sliding window; with
 # sequence parallel ("sp") too. Qwen3 (tied) normalizes q and k per head (replicated_with_grad_allreduce), OLMo 2 over
@@ -87,16 +100,16 @@ def reference(family: str, data_parallel: int, tie: bool | None = None, attn: st
     on Lightning's data order (``one_process.train``, each batch in `micro_batches` parts as the run splits it); each
     step trains the mean cross-entropy over the counted targets (not -100) of all its `accumulate` batches, as one
     process on the whole batch (each batch's own mean recorded as its loss), and a mixture's router loss
-    (output_router_logits=True; its batch is the whole batch: `micro_batches` 1) weighted by each batch's share of the
-    items. Returns (model, losses, the router loss of each batch for a mixture of experts)."""
+    (output_router_logits=True) of each part (`micro_batches` 1: the whole batch's, router_loss="batch"; else each
+    micro-batch's own, "micro_batch") weighted by its share of the items. Returns (model, losses, the router loss of
+    each batch for a mixture of experts: its parts' weighted by their counted targets)."""
     model = hf_model(family, tie, attn, kv_heads=kv_heads)
     if pretrained is not None:
         model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn,
                                             **experts_kwargs(family))
     as_float64(model)
-    aux_losses = []
-    routed = getattr(model.config, "output_router_logits", False)  # + router_aux_loss_coef x aux_loss (the batch's)
-    assert not (routed and micro_batches > 1), "a router loss is the whole batch's"
+    auxes: list[tuple[float, int]] = []  # (aux_loss, counted targets) of every part
+    routed = getattr(model.config, "output_router_logits", False)  # + router_aux_loss_coef x aux_loss (the part's)
 
     def loss(model, batch):
         x, y = batch
@@ -107,30 +120,23 @@ def reference(family: str, data_parallel: int, tie: bool | None = None, attn: st
         if routed:
             aux = load_balancing_loss64(out.router_logits, model.config.num_experts_per_tok)
             total = total + model.router_aux_loss_coef * aux * items
-            aux_losses.append(aux.item())
+            auxes.append((aux.item(), items))
         return total, items, shown
 
     data = lightning_batches(BATCH, data_parallel, ignored)
     losses = train(model, torch.optim.SGD(model.parameters(), lr=LR),
                    ([next(data) for _ in range(accumulate)] for _ in range(STEPS)), loss, micro_batches=micro_batches)
+    batches = [auxes[i:i + micro_batches] for i in range(0, len(auxes), micro_batches)]  # train_aux_loss per batch
+    aux_losses = [sum(a * n for a, n in parts) / sum(n for _, n in parts) for parts in batches]
     return model, losses, aux_losses
-
-
-def load_balancing_loss64(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
-    """transformers' ``load_balancing_loss_func`` (no attention mask) in float64: transformers 5 sums the router
-    probabilities in float32, which a float64 reference cannot use. Every layer's router logits together: the number
-    of experts times the sum over experts of (the fraction of top-k picks it gets) x (its mean router probability)."""
-    probs = torch.softmax(torch.cat(router_logits), dim=-1)  # (layers x tokens, E)
-    num_experts = probs.shape[-1]
-    picks = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, num_experts).to(probs.dtype)  # (rows, k, E)
-    return num_experts * torch.sum(picks.mean(0) * probs.mean(0))
 
 
 def micro_batches(cfg: dict, data_parallel: int) -> int:
     """The parts of a global batch the run differentiates one by one: each replica's batch in `m` micro-batches (a
-    router loss is the whole batch's: one part)."""
-    routed = cfg["family"] in ("mixtral", "qwen3_moe")
-    return 1 if routed else data_parallel * cfg.get("m", 2)
+    router loss over the whole batch, router_loss="batch": one part)."""
+    default = "micro_batch" if cfg.get("schedule") in ("1f1b", "depth_first") else "batch"  # (the schedule's)
+    whole_batch = cfg["family"] in ("mixtral", "qwen3_moe") and cfg.get("router_loss", default) == "batch"
+    return 1 if whole_batch else data_parallel * cfg.get("m", 2)
 
 
 def _data_parallel_plan(devices: int, out: Path) -> tuple[int, list[dict]]:

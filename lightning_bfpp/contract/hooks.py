@@ -67,9 +67,11 @@ class PipelineHooks:
         ``pipeline_step_logs()``: called once per training step, after its backward, on the rank(s) holding the last
         stage; what it logs with ``self.log`` reaches every rank. For values of the whole step that a loss computes
         from ``contract.step_totals`` (``CausalLM`` logs its router loss, ``train_aux_loss``).
-        ``pipeline_uses_step_totals`` (an attribute): True for a loss that reads totals of the whole step
-        (``contract.step_totals``); the strategy then refuses, before launch, a schedule that starts a backward before
-        the step's last forward.
+        ``pipeline_uses_step_totals`` (an attribute): True for a loss with a router loss (``contract.router_loss``,
+        through the step's totals): the strategy then picks its definition (``router_loss``: the whole step's where
+        the schedule runs every forward before the first backward, else each micro-batch's own, said once) and refuses,
+        before launch, ``router_loss="batch"`` under a schedule that starts a backward before the step's last forward.
+        Another loss reading ``contract.step_totals`` in backward fails there at its first read, naming the schedule.
         ``pipeline_tp_plan(layer_name, layer, tensor_parallel, sequence_parallel=False)``: needed for
         ``BFPPStrategy(tensor_parallel>1)``; for each layer (``layer_name`` as in stage names), a dict {submodule name
         or ``*`` pattern inside ``layer``, or "" for the layer itself: torch ``ParallelStyle``} applied with

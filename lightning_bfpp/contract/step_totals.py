@@ -3,8 +3,8 @@ load-balancing loss multiplies the routing fractions of every layer and token). 
 the forward (`StepTotals.add`); its backward reads the step's totals (`StepTotals.total`): the parts summed over every
 micro-batch and data-parallel replica. That is exact where every forward of a step runs before its first backward
 (``Schedule.forwards_first``: gpipe, breadth-first in one group); values computed from the totals are logged after
-the step by the module's ``pipeline_step_logs``. Outside a pipeline step (one process, ``strategy="auto"``) no totals
-are active: the loss sees the whole batch at once and computes the statistics itself."""
+the step by the module's ``pipeline_step_logs``, under any schedule. Outside a pipeline step (one process,
+``strategy="auto"``) no totals are active: the loss sees the whole batch at once and computes the statistics itself."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -20,11 +20,16 @@ _SHAPES_ONLY: ContextVar[bool] = ContextVar("bfpp_shape_inference", default=Fals
 class StepTotals:
     """The parts a step's micro-batches add, and their totals. `reduce` sums a tensor over the data-parallel
     replicas in place (None: one replica); `needs_forwards_first` is raised (a message) when the schedule starts a
-    backward before its last forward, so that totals read in backward would miss micro-batches."""
+    backward before its last forward and totals are read while the step runs (they would miss micro-batches; read
+    after the step, for its logs, they are complete). `router_loss`: the router loss's definition in this step
+    (``contract.router_loss``: "batch" reads the totals in backward, "micro_batch" does not)."""
 
-    def __init__(self, reduce: Callable[[torch.Tensor], None] | None = None, needs_forwards_first: str | None = None):
+    def __init__(self, reduce: Callable[[torch.Tensor], None] | None = None, needs_forwards_first: str | None = None,
+                 router_loss: str = "batch"):
         self.reduce = reduce
         self.needs_forwards_first = needs_forwards_first
+        self.router_loss = router_loss
+        self.running = False  # while `step_totals` has it active
         self.parts: dict[str, list[torch.Tensor]] = {}
         self.totals: dict[str, torch.Tensor] | None = None
 
@@ -36,7 +41,7 @@ class StepTotals:
         """The step's total of `name`, summed over micro-batches and replicas: on the first call (in the step's first
         backward), every part is reduced at once, in one collective."""
         if self.totals is None:
-            if self.needs_forwards_first:
+            if self.needs_forwards_first and self.running:
                 raise RuntimeError(self.needs_forwards_first)
             names = sorted(self.parts)
             sums = [torch.stack(self.parts[n]).sum(0) for n in names]
@@ -71,7 +76,9 @@ def shape_inference() -> Iterator[None]:
 def step_totals(totals: StepTotals) -> Iterator[StepTotals]:
     """`totals` active while a pipeline step runs (its forwards and backwards)."""
     token = _ACTIVE.set(totals)
+    totals.running = True
     try:
         yield totals
     finally:
+        totals.running = False
         _ACTIVE.reset(token)

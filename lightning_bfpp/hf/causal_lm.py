@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from ..contract.hooks import PipelineHooks, mean_loss
-from ..contract.router_loss import load_balancing_loss, router_loss
+from ..contract.router_loss import load_balancing_loss, router_loss, step_aux_loss
 from ..contract.step_totals import active_step_totals
 from ..layout.materialize import has_meta_tensors, seeded_init
 from .checks import check_layers_reproduce, check_meta_buffers, check_router_loss
@@ -175,9 +175,9 @@ class CausalLM(PipelineHooks, LightningModule):
         return loss, items
 
     def _log_router_loss(self) -> None:
-        """``pipeline_step_logs`` of a routed model: the step's router loss (``train_aux_loss``)."""
+        """``pipeline_step_logs`` of a routed model: the router loss the step trained (``train_aux_loss``)."""
         if self._router_totals is not None:
-            self.log("train_aux_loss", load_balancing_loss(self._router_totals.total("router_stats")))
+            self.log("train_aux_loss", step_aux_loss(self._router_totals))
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Logits of input ids, or of (input ids, document ids): ``self(x)`` or ``self(*x)``."""

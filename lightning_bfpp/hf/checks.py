@@ -86,7 +86,7 @@ def check_router_loss(model: nn.Module, pipeline_forward: Callable[[torch.Tensor
         with torch.no_grad():
             expected = model(ids, output_router_logits=True).aux_loss.float()
             pipeline_forward(ids)
-            got = load_balancing_loss(head.last_stats)
+            got = load_balancing_loss(head.last_stats).float()  # (float64 for a float64 model; transformers: float32)
     finally:
         model.train(training)
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):

@@ -79,18 +79,20 @@ def distribute_experts(stages: Iterable[nn.Module], expert_mesh: DeviceMesh) -> 
     return done
 
 
-def shard_experts(experts: Iterable[nn.Module], expert_mesh: DeviceMesh, data_parallel: int, mp_policy=None) -> None:
-    """FSDP2 over the experts' copies (``expert_mesh[EDP]``), each experts module its own unit, gathered once per
-    stage pass like its stage (the runtime's UNSHARD and RESHARD actions reach every FSDP unit of a stage). Their
-    gradients are divided by the whole `data_parallel` size, as every other weight's (FSDP would divide by the
-    copies only; each rank's expert gradient already sums the tokens of its ep group): reduced by a plain sum (gloo
-    has no pre-multiplied sum), then divided once, by this module's hook on the reduced gradient.
+def shard_experts(experts: Iterable[nn.Module], expert_mesh: DeviceMesh, gradient_replicas: int,
+                  mp_policy=None) -> None:
+    """FSDP2 over the experts' copies (``expert_mesh[EDP]``: x the context-parallel ranks), each experts module its
+    own unit, gathered once per stage pass like its stage (the runtime's UNSHARD and RESHARD actions reach every FSDP
+    unit of a stage). Their gradients are divided by `gradient_replicas` (data parallel x context parallel), as every
+    other weight's (FSDP would divide by the copies only; each rank's expert gradient already sums the tokens of its
+    ep group): reduced by a plain sum (gloo has no pre-multiplied sum), then divided once, by this module's hook on
+    the reduced gradient.
     NOTE torch 2.13: FSDP's own divide factor divides twice over a group of one rank (a single copy) whenever it
     reduces by a sum, as it always does for float64 gradients: so FSDP divides by nothing here."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     def divide(reduced: torch.Tensor) -> None:
-        reduced.div_(data_parallel)
+        reduced.div_(gradient_replicas)
 
     for module in experts:
         fully_shard(module, mesh=expert_mesh[EDP], reshard_after_forward=False,

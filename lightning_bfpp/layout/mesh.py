@@ -94,7 +94,7 @@ def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh, device_type: str,
     shape, names = dims.expert_mesh_shape, dims.expert_mesh_dim_names
 
     def make() -> DeviceMesh:
-        grid = torch.arange(dims.world).reshape(shape)
+        grid = torch.tensor(dims.expert_mesh_ranks())  # (under context parallel not the ranks in order)
         groups = [mesh.get_group(0), *_dim_groups(grid, timeout, first=1)]
         return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from ..contract.hooks import built_in_configure_model
+from ..contract.router_loss import ROUTER_LOSSES
 from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.checks import is_count
 from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
@@ -36,7 +37,7 @@ class LayoutPlan:
                  micro_batches: int | None, schedule: str | None, groups: int | None, sharding: str | None,
                  reshard_after_forward: bool | None, stage_layers: Sequence[int] | Literal["auto"] | None,
                  layout: Literal["auto"] | AutoLayout | None, global_batch_size: int | None,
-                 expert_parallel: int = 1, context_parallel: int = 1) -> None:
+                 expert_parallel: int = 1, context_parallel: int = 1, router_loss: str | None = None) -> None:
         given = dict(pipeline_parallel=pipeline_parallel, loops=loops, micro_batches=micro_batches, groups=groups,
                      schedule=schedule, sharding=sharding, reshard_after_forward=reshard_after_forward)
         self.auto_layout = AutoLayout() if layout == "auto" else layout  # decided once the world is up (`decide`)
@@ -53,6 +54,13 @@ class LayoutPlan:
             if self.auto_layout and value != 1:
                 raise ValueError(f"layout='auto' searches {name}=1 only; set the layout by hand for "
                                  f"{name}={value!r}.")
+        if router_loss is not None and router_loss not in ROUTER_LOSSES:
+            raise ValueError(f"router_loss={router_loss!r} must be 'batch' (the whole step's load-balancing loss, as "
+                             "the model's aux_loss on the whole batch; gpipe, or breadth_first with groups=1), "
+                             "'micro_batch' (each micro-batch's own; any schedule) or None (the one that fits the "
+                             "schedule).")
+        self.router_loss = router_loss  # None: the schedule's (`router_loss_for`)
+        self.router_announced = False
         self.global_batch_size = global_batch_size
         self.decided = False  # layout="auto": decided in `decide`
         # pp = world size, decided once the world is known (layout="auto": the planner's)
@@ -131,12 +139,15 @@ class LayoutPlan:
         if self.stage_layers == "auto" and has_meta_tensors(module):
             raise ValueError("stage_layers='auto' times every layer by running it, and this model is on the meta "
                              "device: give the layers per stage, or let bfpp balance them by parameter count (None).")
-        if getattr(module, "pipeline_uses_step_totals", False) and not self.train_schedule.forwards_first():
+        if getattr(module, "pipeline_uses_step_totals", False) and self.router_loss_for() == "batch" and \
+                not self.train_schedule.forwards_first():
             spec = self.spec
             raise ValueError(
-                f"{type(module).__name__}'s loss reads totals of the whole step (a router's load-balancing loss: "
-                f"contract.step_totals), and schedule={spec.name!r} (groups={spec.groups}) starts a backward before "
-                "the step's last forward: use schedule='breadth_first' with groups=1, or 'gpipe'.")
+                f"router_loss='batch' trains {type(module).__name__}'s router loss over the whole step "
+                f"(contract.router_loss: its gradient reads every micro-batch's routing), and schedule={spec.name!r} "
+                f"(groups={spec.groups}) starts a backward before the step's last forward: use "
+                "router_loss='micro_batch' (each micro-batch's own load-balancing loss), or schedule='breadth_first' "
+                "with groups=1, or 'gpipe'.")
         stages = plan_stages(module, layers, self.spec.num_stages, None if self.undecided else self.stage_layers)
         if self.dims.tensor_parallel > 1:
             layer_plans(module, layers, self.dims.tensor_parallel, self.dims.sequence_parallel)  # the model's plan
@@ -145,6 +156,30 @@ class LayoutPlan:
         if self.dims.context_parallel > 1:
             check_context_parallel(module, layers, self.dims.context_parallel)  # every layer runs on a shard
         return stages
+
+    def router_loss_for(self) -> str:
+        """The router loss's definition a training step uses (``contract.router_loss``): as given, else "batch" where
+        the schedule runs every forward of a step before its first backward (gpipe, breadth-first in one group) and
+        "micro_batch" where it does not."""
+        if self.router_loss is not None:
+            return self.router_loss
+        return "batch" if self.train_schedule.forwards_first() else "micro_batch"
+
+    def router_loss_line(self, module: Any) -> str | None:
+        """The line announcing the default router loss of a model that has one, once (not before layout="auto" has
+        decided the schedule)."""
+        undecided = self.auto_layout is not None and not self.decided
+        if self.router_loss is not None or self.router_announced or undecided or \
+                not getattr(module, "pipeline_uses_step_totals", False):
+            return None
+        self.router_announced = True
+        spec, chosen = self.spec, self.router_loss_for()
+        why = ("runs every forward of a step before its first backward: the whole step's load-balancing loss, as the "
+               "model's aux_loss on the whole batch" if chosen == "batch" else
+               "starts a backward before the step's last forward: each micro-batch's own load-balancing loss, "
+               "weighted by its counted items")
+        return (f"bfpp: router_loss={chosen!r}: schedule={spec.name} (groups={spec.groups}) {why} (choose with "
+                "BFPPStrategy(router_loss='batch' | 'micro_batch')).")
 
     def decide(self, module: Any, device: Any, world: int, devices_per_node: int, precision: str) -> str:
         """layout="auto" on every rank at once, the process group up: each rank measures the layers, the numbers are

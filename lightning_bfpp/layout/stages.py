@@ -69,7 +69,7 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
     for s, stage in modules.items():
         policy = stage_mixed_precision(precision, last_stage=s == last)
         if experts.get(s):
-            shard_experts(experts[s], expert_mesh, dims.data_parallel, stage_mixed_precision(precision, False))
+            shard_experts(experts[s], expert_mesh, dims.gradient_replicas, stage_mixed_precision(precision, False))
         shard_stage(stage, gradient_mesh(mesh), policy)
         stage.side_input_dtype = policy.param_dtype if policy is not None else None
     return precision == "bf16-mixed"

@@ -108,6 +108,7 @@ class PipelineRunner:
         dp_group: dist.ProcessGroup | None = None,
         context: ContextParallel | None = None,
         cuda_graphs: bool = False,
+        router_loss: str = "batch",
     ):
         self.spec = spec = schedule.spec
         self.modules = modules
@@ -127,12 +128,14 @@ class PipelineRunner:
         self.dims = dims  # the layout: its sequence rule is checked on every batch (None: no rule)
         self.dp_group = dp_group  # the replicas of this rank's stages: a loss's step totals are summed over it
         self.context = context  # context parallel: this rank's share of every sequence (None: whole sequences)
-        # a loss reading whole-step totals in backward needs every forward first (contract.step_totals)
+        # a loss reading whole-step totals in backward needs every forward first (contract.step_totals); a router
+        # loss per micro-batch reads none (contract.router_loss)
+        self.router_loss = router_loss
         self._not_forwards_first = None if schedule.forwards_first() else (
-            f"bfpp: pipeline_loss reads totals of the whole step (a router's load-balancing loss), and "
-            f"schedule={spec.name} (groups={spec.groups}) starts a backward before the step's last forward: use "
-            "schedule=breadth_first (groups=1) or gpipe, or leave the whole-step loss out "
-            "(output_router_logits=False).")
+            f"bfpp: pipeline_loss reads totals of the whole step in backward (a router's load-balancing loss over the "
+            f"batch), and schedule={spec.name} (groups={spec.groups}) starts a backward before the step's last "
+            "forward: use router_loss='micro_batch' (each micro-batch's own), or schedule=breadth_first (groups=1) "
+            "or gpipe.")
         self.message_bytes = 0  # the largest activation message this rank sends (a stage's output, but the last's)
         # every stage gets the micro-batch's inputs when a stage computes side inputs (pipeline_side_inputs)
         self._side_inputs = any(getattr(m, "_side_inputs", None) for m in modules.values())
@@ -145,10 +148,11 @@ class PipelineRunner:
     def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
                 loss_fn: Callable[[Any, Any], torch.Tensor], dims: ParallelDims,
                 compiled: bool = False, cuda_graphs: bool = False,
-                say: Callable[[str], Any] = print) -> PipelineRunner:
+                say: Callable[[str], Any] = print, router_loss: str = "batch") -> PipelineRunner:
         """A runner over the `mesh` of the layout `dims`: p2p over its pipeline group; gradients all-reduced over its
         data-parallel (x context-parallel) group unless the stages are sharded (FSDP2 reduce-scatters them); under
-        context parallel each step runs on this rank's share of every sequence (`say` names attention's path)."""
+        context parallel each step runs on this rank's share of every sequence (`say` names attention's path).
+        `router_loss`: the router loss's definition in a step ("batch" or "micro_batch"; ``contract.router_loss``)."""
         grads = gradient_mesh(parameter_mesh(dims, mesh))  # dp, or dp x cp
         replicate_group = grads.get_group() if not dims.sharded and grads.size() > 1 else None
         dp_group = grads.get_group() if grads.size() > 1 else None
@@ -156,7 +160,11 @@ class PipelineRunner:
         if context is not None:
             say(f"bfpp: context_parallel={dims.context_parallel}: attention by {context.attention}")
         return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims, dp_group,
-                   context, cuda_graphs)
+                   context, cuda_graphs, router_loss)
+
+    def _new_totals(self) -> StepTotals:
+        """The totals of a training step: summed over the replicas, guarded, with the step's router-loss definition."""
+        return StepTotals(self._sum_over_replicas, self._not_forwards_first, self.router_loss)
 
     def _sum_over_replicas(self, t: torch.Tensor) -> None:
         if self.dp_group is not None:
@@ -225,7 +233,7 @@ class PipelineRunner:
             if mode == "train":
                 batch = [t for t in (*args, target) if isinstance(t, torch.Tensor)]
                 with self._measured(batch) if self.timeline.enabled else nullcontext(), \
-                        step_totals(StepTotals(self._sum_over_replicas, self._not_forwards_first)), sharding(shard):
+                        step_totals(self._new_totals()), sharding(shard):
                     out = runtime.step(*args, target=target, losses=losses, return_outputs=keep_outputs, **side)
             else:
                 with sharding(shard):

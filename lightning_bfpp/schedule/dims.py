@@ -24,7 +24,9 @@ from .generate import check_spec
 PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
 # Expert parallel splits each data-parallel group into expert_data_parallel x expert_parallel (ep innermost: an
 # expert-parallel group is consecutive data-parallel ranks, as torchtitan's and Megatron-Core's). The experts get their
-# own mesh (PP, EDP, EP): the mesh above keeps DP whole for Lightning's sampler and the other weights' FSDP.
+# own mesh (PP, EDP, EP): the mesh above keeps DP whole for Lightning's sampler and the other weights' FSDP. Under
+# context parallel an expert-parallel group is those ranks at one context-parallel coordinate (the tokens of a sequence
+# shard are dispatched like any others), and EDP holds every rank with the same experts: copies x context ranks.
 EP, EDP = "expert_parallel", "expert_data_parallel"
 CP = "context_parallel"
 # The parameters' mesh under context parallel: dp x cp flattened into one dimension, over which FSDP shards the stages
@@ -141,12 +143,20 @@ class ParallelDims:
 
     @property
     def expert_mesh_dim_names(self) -> tuple[str, ...]:
-        """The experts' mesh: (PP, EDP, EP); EDP x EP is the data-parallel group."""
+        """The experts' mesh: (PP, EDP, EP); EDP x EP is the data-parallel group (x the context-parallel one)."""
         return (PP, EDP, EP)
 
     @property
     def expert_mesh_shape(self) -> tuple[int, ...]:
-        return (self.pipeline_parallel, self.expert_data_parallel, self.expert_parallel)
+        """Sizes along `expert_mesh_dim_names`: EDP is the experts' copies x the context-parallel ranks."""
+        return (self.pipeline_parallel, self.expert_data_parallel * self.context_parallel, self.expert_parallel)
+
+    def expert_mesh_ranks(self) -> list[list[list[int]]]:
+        """The global ranks of the experts' mesh, [pipeline][copy x cp + context][part] (`group(EDP | EP, rank)`)."""
+        cp, ep = self.context_parallel, self.expert_parallel
+        return [[[self.rank(p, copy * ep + part, 0, context) for part in range(ep)]
+                 for copy in range(self.expert_data_parallel) for context in range(cp)]
+                for p in range(self.pipeline_parallel)]
 
     def expert_coordinates(self, rank: int) -> ExpertCoordinates:
         """Which copy and which part of the experts global `rank` holds."""
@@ -195,9 +205,9 @@ class ParallelDims:
         if dim == EP:
             return [self.rank(pipeline, copy * self.expert_parallel + e, tensor, context)
                     for e in range(self.expert_parallel)]
-        if dim == EDP:
-            return [self.rank(pipeline, c * self.expert_parallel + part, tensor, context)
-                    for c in range(self.expert_data_parallel)]
+        if dim == EDP:  # every rank holding the same experts: their copies x the context-parallel ranks
+            return [self.rank(pipeline, c * self.expert_parallel + part, tensor, ctx)
+                    for c in range(self.expert_data_parallel) for ctx in range(self.context_parallel)]
         raise ValueError(f"{dim!r} is not a mesh dimension ({PP}, {DP}, {CP}, {TP}, {EP}, {EDP})")
 
     def gradient_group(self, rank: int) -> list[int]:
@@ -294,9 +304,11 @@ class ParallelDims:
         if self.tensor_parallel > 1:
             raise LayoutError(f"{n.expert_parallel}={ep} with {n.tensor_parallel}={self.tensor_parallel}: expert "
                               "parallel does not combine with tensor parallel yet; set one of them to 1.")
-        if self.context_parallel > 1:
-            raise LayoutError(f"{n.expert_parallel}={ep} with {n.context_parallel}={self.context_parallel}: expert "
-                              "parallel does not combine with context parallel yet; set one of them to 1.")
+        if self.spec.name == "breadth_first_zb":  # torch's weight backward fails through the experts' all-to-all
+            raise LayoutError(f"{n.expert_parallel}={ep} with {n.schedule}='breadth_first_zb': the zero-bubble split "
+                              "backward (the inputs' gradients first, the weights' later) does not run through the "
+                              f"experts' all-to-all yet; use {n.schedule}='breadth_first' (or 1f1b, depth_first, "
+                              f"gpipe), or {n.expert_parallel}=1.")
         if self.sharding != "full":
             raise LayoutError(f"{n.expert_parallel}={ep} with {n.sharding}={self.sharding!r}: the experts' copies are "
                               f"FSDP-sharded over the data-parallel ranks that hold them; use {n.sharding}=full, or "

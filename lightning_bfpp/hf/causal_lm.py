@@ -21,6 +21,7 @@ from ..contract.hooks import PipelineHooks, mean_loss
 from ..contract.router_loss import load_balancing_loss, router_loss
 from ..contract.step_totals import active_step_totals
 from ..layout.materialize import has_meta_tensors, seeded_init
+from . import lora
 from .checks import check_layers_reproduce, check_meta_buffers, check_router_loss
 from .context_parallel import splits_sequence
 from .layers import causal_lm_layers
@@ -68,19 +69,25 @@ class CausalLM(PipelineHooks, LightningModule):
         pretrained: str | os.PathLike | None = None,
     ):
         super().__init__()
+        wrapper, model = model, lora.unwrap(model)  # a PeftModel: its modules adopted, the model it wraps cut
         on_meta = any(p.is_meta for p in model.parameters())
         if pretrained is not None and not on_meta:
             raise ValueError(f"CausalLM(pretrained={str(pretrained)!r}) fills a model built on the meta device; this "
                              f"{type(model).__name__} holds weights already: use CausalLM.from_pretrained(path).")
         # the stored tensors, read per module when bfpp (or configure_model) materializes it
-        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model), model)
+        peft = wrapper is not model
+        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model), model,
+                                                        plain=lora.plain_name if peft else None)
                                      if pretrained is not None else None)
-        own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
+        self.__dict__["peft_model"] = wrapper if peft else None  # its peft_config, save_pretrained of the adapters
+        self.__dict__["_adapter_parts"] = lora.adapter_parts(model) if peft else {}
+        own = [n for n, _ in wrapper.named_parameters(recurse=False)]
+        own += [n for n, _ in wrapper.named_buffers(recurse=False)]
         if own:
-            raise ValueError(f"{type(model).__name__} holds {own[0]} directly; CausalLM adopts its submodules only.")
-        for name, child in model.named_children():
+            raise ValueError(f"{type(wrapper).__name__} holds {own[0]} directly; CausalLM adopts its submodules only.")
+        for name, child in wrapper.named_children():
             if hasattr(self, name):
-                raise ValueError(f"{type(model).__name__}.{name} clashes with LightningModule.{name}: wrap the model "
+                raise ValueError(f"{type(wrapper).__name__}.{name} clashes with LightningModule.{name}: wrap the model "
                                  "yourself.")
             self.add_module(name, child)
         self.__dict__["hf_model"] = model  # unregistered: its modules are registered above, under their own names
@@ -120,7 +127,12 @@ class CausalLM(PipelineHooks, LightningModule):
         return cls(build_on_meta(directory, hf_kwargs), optimizer=optimizer, check=False, pretrained=directory)
 
     def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
-        """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does."""
+        """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does (LoRA
+        adapters as PEFT does)."""
+        if id(module) in self._adapter_parts:
+            return  # initialized with its LoRA layer, next
+        if self.peft_model is not None and any(id(m) in self._adapter_parts for m in module.children()):
+            lora.init_adapters(module, self.peft_model.peft_config)
         prefix, weights = f"{name}." if name else "", self._weights
         if weights is None or not weights.stores_all(prefix, module):
             self.hf_model._init_weights(module)
@@ -202,6 +214,8 @@ class CausalLM(PipelineHooks, LightningModule):
         return self(self.pipeline_inputs(batch)[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The optimizer of the parameters that train (with LoRA: the adapters; the frozen weights take no state)."""
+        params = [p for p in self.parameters() if p.requires_grad]
         if self._optimizer is not None:
-            return self._optimizer(self.parameters())
-        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+            return self._optimizer(params)
+        return torch.optim.AdamW(params, lr=3e-4)

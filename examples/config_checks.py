@@ -164,6 +164,19 @@ def check_precision(cfg: DictConfig) -> None:
                           f"{', '.join(allowed)}.")
 
 
+def check_lora(cfg: DictConfig, family: str) -> None:
+    """model.lora: a Hugging Face model's LoRA adapters (peft installed, settings a LoraConfig takes)."""
+    if family == "gpt":
+        raise ConfigError("model.lora adapts Hugging Face models: use model=hf_pretrained (or hf_llama_tiny), or set "
+                          "model.lora.r=null.")
+    from lightning_bfpp.hf.lora import lora_config
+
+    try:
+        lora_config(OmegaConf.to_container(cfg.model.lora, resolve=True))
+    except (ValueError, ImportError) as err:
+        raise ConfigError(str(err)) from None
+
+
 def check_model_and_data(cfg: DictConfig) -> None:
     def get(key: str):
         return OmegaConf.select(cfg, key)
@@ -183,6 +196,8 @@ def check_model_and_data(cfg: DictConfig) -> None:
         except ImportError as err:
             raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
                               "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
+    if get("model.lora.r") is not None:
+        check_lora(cfg, family)
     text = text_data(cfg)
     if text and get("data.packing") not in PACKINGS:
         raise ConfigError(f"data.packing={get('data.packing')!r} is not one of {', '.join(PACKINGS)}.")

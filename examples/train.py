@@ -3,6 +3,7 @@ on the stdlib byte corpus with any schedule.
 python examples/train.py                                   # defaults: conf/train.yaml
 python examples/train.py model=hf_llama_tiny cluster=cpu_2 # lightning_bfpp.hf.CausalLM (pip install lightning-bfpp[hf])
 python examples/train.py model=hf_pretrained model.path=DIR  # fine-tune a save_pretrained model, read per stage
+python examples/train.py model=hf_pretrained model.path=DIR model.lora.r=8  # LoRA adapters only (peft)
 python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
 python examples/train.py -m schedule=breadth_first,depth_first
 torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
@@ -37,6 +38,7 @@ from lightning_bfpp.adapter.metrics import PipelineMetrics, run_layout
 from lightning_bfpp.adapter.trace import PipelineTrace
 from lightning_bfpp.checkpoint import StorageNames
 from lightning_bfpp.hf import CausalLM
+from lightning_bfpp.hf.lora import lora_config
 
 log = logging.getLogger(__name__)
 rundir.register_resolvers()  # the run directory's name in conf/train.yaml (examples/run_dir.py)
@@ -94,14 +96,26 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
     optim.betas = tuple(optim.betas)
     if cfg.model.get("family", "gpt") == "gpt":
         return GPT(model_config(cfg), optim)
+    lora = lora_settings(cfg)
     if cfg.model.family == "hf_pretrained":  # built on the meta device; each rank reads its own stages' tensors
-        lm = HFCausalLM.from_pretrained(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
+        lm = HFCausalLM.from_pretrained(cfg.model.path, attn_implementation=cfg.model.attn_implementation, lora=lora)
         lm.optim = optim
     else:
-        lm = HFCausalLM(hf_model(cfg.model), optim)
+        model = hf_model(cfg.model)
+        if lora is not None:  # only the adapters train
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        lm = HFCausalLM(model, optim)
     if cfg.model.activation_checkpointing and cfg.trainer.strategy != "bfpp":
         lm.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return lm
+
+
+def lora_settings(cfg: DictConfig):
+    """The ``peft.LoraConfig`` of `model.lora` (None when model.lora.r is null: every weight trains)."""
+    settings = OmegaConf.to_container(cfg.model.lora, resolve=True) if cfg.model.get("lora") is not None else {}
+    return lora_config(settings) if settings.get("r") is not None else None
 
 
 def world_size(cfg: DictConfig) -> int:

@@ -17,6 +17,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from ..checkpoint.hf_dir import HF_RECORD, hf_record
 from ..contract.hooks import PipelineHooks, mean_loss
 from ..contract.router_loss import load_balancing_loss, router_loss
 from ..contract.step_totals import active_step_totals
@@ -81,6 +82,7 @@ class CausalLM(PipelineHooks, LightningModule):
                                      if pretrained is not None else None)
         self.__dict__["peft_model"] = wrapper if peft else None  # its peft_config, save_pretrained of the adapters
         self.__dict__["_adapter_parts"] = lora.adapter_parts(model) if peft else {}
+        self.__dict__["_lora_layers"] = {id(layer) for layer in self._adapter_parts.values()}
         own = [n for n, _ in wrapper.named_parameters(recurse=False)]
         own += [n for n, _ in wrapper.named_buffers(recurse=False)]
         if own:
@@ -99,6 +101,7 @@ class CausalLM(PipelineHooks, LightningModule):
         if self._router_coef is not None:
             self.pipeline_step_logs = self._log_router_loss
         self._optimizer = optimizer
+        self.tokenizer: str | None = None  # the run's tokenizer (a directory or name), recorded in checkpoints
         check_meta_buffers(model)
         if check and on_meta:
             rank_zero_warn(f"CausalLM: {type(model).__name__} is on the meta device: its layers are not checked "
@@ -111,7 +114,7 @@ class CausalLM(PipelineHooks, LightningModule):
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike,
                         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
-                        **hf_kwargs: Any) -> CausalLM:
+                        lora: Any = None, **hf_kwargs: Any) -> CausalLM:
         """The ``*ForCausalLM`` saved in `name_or_path` (a local directory; a hub name where the network allows),
         built on the meta device: no process holds the whole model. Under bfpp each rank reads only its own stages'
         tensors from the safetensors files; under other strategies ``configure_model`` reads them all. `hf_kwargs`:
@@ -121,17 +124,31 @@ class CausalLM(PipelineHooks, LightningModule):
         weights under ``precision="bf16-mixed"``. Stored keys are converted as the installed transformers converts them
         at load (renamed keys, experts stored one per key and fused in the model); a parameter the files do not store
         (under its name, a tied or base-model name, or keys converted into it) is an error.
-        The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory)."""
+        The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory).
+        `lora`: a ``peft.LoraConfig``: LoRA adapters on the saved model (``get_peft_model``), initialized as PEFT
+        initializes them; only they train."""
         hub = {k: hf_kwargs.pop(k) for k in HUB_KWARGS if k in hf_kwargs}
         directory = local_directory(name_or_path, hub, bool(hf_kwargs.get("trust_remote_code")))
-        return cls(build_on_meta(directory, hf_kwargs), optimizer=optimizer, check=False, pretrained=directory)
+        model = build_on_meta(directory, hf_kwargs)
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        return cls(model, optimizer=optimizer, check=False, pretrained=directory)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the model's config, its LoRA configs and the run's tokenizer (``tokenizer``, a directory or name,
+        when the run read text with one) in the checkpoint: ``python -m lightning_bfpp.checkpoint CKPT --hf DIR``
+        then writes a Hugging Face directory."""
+        peft = self.peft_model.peft_config if self.peft_model is not None else None
+        checkpoint[HF_RECORD] = hf_record(self.hf_model.config, peft, self.tokenizer)
 
     def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
         """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does (LoRA
         adapters as PEFT does)."""
         if id(module) in self._adapter_parts:
             return  # initialized with its LoRA layer, next
-        if self.peft_model is not None and any(id(m) in self._adapter_parts for m in module.children()):
+        if id(module) in self._lora_layers:
             lora.init_adapters(module, self.peft_model.peft_config)
         prefix, weights = f"{name}." if name else "", self._weights
         if weights is None or not weights.stores_all(prefix, module):

@@ -19,9 +19,14 @@ PARTS = ("lora_A", "lora_B")
 SETTINGS = ("r", "alpha", "target_modules", "dropout")  # the app's model.lora fields
 
 
+def _is(module: nn.Module, name: str) -> bool:
+    """Whether `module` is an instance of peft's class `name` (without importing peft)."""
+    return any(c.__module__.startswith("peft.") and c.__name__ == name for c in type(module).__mro__)
+
+
 def is_peft(model: nn.Module) -> bool:
-    """Whether `model` is a ``peft.PeftModel`` (without importing peft when it is not installed)."""
-    return any(c.__module__.startswith("peft.") and c.__name__ == "PeftModel" for c in type(model).__mro__)
+    """Whether `model` is a ``peft.PeftModel``."""
+    return _is(model, "PeftModel")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -111,13 +116,11 @@ def lora_kinds(layer: nn.Module, kinds: dict[str, str], colwise: tuple[str, ...]
     """A layer's Hugging Face styles {submodule: style} with each LoRA-adapted projection's style moved onto its base
     layer and its adapters (split as above), and {each such part: the adapted projection}. A projection the plan
     keeps whole keeps its adapters whole."""
-    from peft.tuners.lora import LoraLayer
-
     out: dict[str, str] = {}
     owner: dict[str, str] = {}
     for sub, style in kinds.items():
         module = layer.get_submodule(sub)
-        if not isinstance(module, LoraLayer) or style not in (*colwise, *rowwise):
+        if not _is(module, "LoraLayer") or style not in (*colwise, *rowwise):
             out[sub] = style
             continue
         parts = {f"{sub}.base_layer": style}

@@ -76,7 +76,8 @@ def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor
     """rows (N, K) sorted by expert, weights (E, K, M), ends (E,): expert e's rows end at ends[e] -> (N, M). torch's
     grouped matmul where it runs (float32 or bf16, its CPU kernel wants rows of a multiple of 16 bytes), else one
     matmul per expert (float64 too)."""
-    if hasattr(F, "grouped_mm") and rows.dtype != torch.float64 and all(d * rows.element_size() % 16 == 0 for d in weights.shape[1:]):
+    fits = all(d * rows.element_size() % 16 == 0 for d in weights.shape[1:])
+    if hasattr(F, "grouped_mm") and rows.dtype != torch.float64 and fits:
         return F.grouped_mm(rows, weights, offs=ends.to(torch.int32))
     starts = [0, *ends.tolist()[:-1]]
     return torch.cat([rows[a:b] @ w for a, b, w in zip(starts, ends.tolist(), weights)])

@@ -2,9 +2,10 @@
 
 ``import lightning_bfpp`` registers ``Trainer(strategy="bfpp")``. The package itself imports neither Lightning nor
 torch: ``lightning_bfpp.schedule`` and ``lightning_bfpp.sim`` load in milliseconds. The names below are loaded on
-first use (PEP 562), and the strategy is registered in Lightning's ``StrategyRegistry`` as soon as
-``lightning.pytorch.strategies`` exists: right away if Lightning is imported already, else when Lightning's
-strategies module finishes importing (a one-shot import hook, ``_RegisterWhenImported``).
+first use (PEP 562); what a model's own layers call is ``lightning_bfpp.modeling``. The strategy is registered in
+Lightning's ``StrategyRegistry`` as soon as ``lightning.pytorch.strategies`` exists: right away if Lightning is
+imported already, else when Lightning's strategies module finishes importing (a one-shot import hook,
+``_RegisterWhenImported``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ _LAZY = {
     "build_schedule": "lightning_bfpp.schedule",
     "seeded_init": "lightning_bfpp.layout.materialize",
     "mean_loss": "lightning_bfpp.contract.hooks",
+    # the layout a BFPPStrategy argument may be, and the errors a user catches
+    "AutoLayout": "lightning_bfpp.layout.auto",
+    "ParallelDims": "lightning_bfpp.schedule.dims",
+    "LayoutError": "lightning_bfpp.schedule.dims",
+    "StorageError": "lightning_bfpp.checkpoint",
+    "StorageNames": "lightning_bfpp.checkpoint",
+    # Hugging Face models (needs the [hf] extra when a model is wrapped)
+    "CausalLM": "lightning_bfpp.hf",
 }
 __all__ = list(_LAZY)
 

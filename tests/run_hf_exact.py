@@ -87,6 +87,8 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
                          "qk_nope_head_dim": 8, "v_head_dim": 16}),
     }
     config, model, extra = families[family]
+    if family == "gemma3":
+        norms_in_the_inputs_type(transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm)
     return getattr(transformers, model)(getattr(transformers, config)(**{**extra, **common, **experts_kwargs(family)}))
 
 
@@ -107,6 +109,19 @@ def lora_model(family: str, **kwargs):
             if ".lora_B." in name:
                 p.normal_(0.0, 0.2)
     return model
+
+
+def norms_in_the_inputs_type(norm_class: type) -> None:
+    """Gemma 3's RMSNorm (transformers' Gemma3RMSNorm) computes in float32 whatever its input's type, so in a float64
+    run its weight's gradient is a float32 sum over the tokens; under sequence parallel each rank sums its own tokens,
+    rounding at float32 (~1e-8) where the reference sums all of them. The same formula in at least float32 (float64
+    here, float32 as before for float32 and bf16) lets the float64 comparison see the layout, not float32 rounding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return (self._norm(x.to(dtype)) * (1.0 + self.weight.to(dtype))).type_as(x)
+
+    norm_class.forward = forward
 
 
 def experts_kwargs(family: str) -> dict:

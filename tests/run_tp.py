@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from exact_compare import PRECISION
 from gpt import GPT, GPTConfig, OptimConfig
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -39,10 +40,9 @@ def model_config(tied: bool = False, moe: bool = False) -> GPTConfig:
 def optim_config(opt: str = "sgd") -> OptimConfig:
     """A constant learning rate (no warmup, no decay): the reference needs no scheduler. AdamW's eps is 1e-6, not
     torch's 1e-8: its update lr * m / (sqrt(v) + eps) turns a gradient's rounding error into a weight change of up to
-    lr / eps times it where |gradient| <~ eps (the attention key biases' gradients are zero but for rounding, ~1e-11;
-    one LayerNorm bias has 2.6e-9 at step 1). At 1e-8 that is 1e5 x rounding: another CPU or thread count moves the
-    one-process reference alone by 2e-6. At 1e-6 it is 1e3 x, while a lost or mis-sharded AdamW state still
-    moves weights by ~lr = 1e-3, far outside the 1e-5 the resume test allows."""
+    lr / eps times it where |gradient| <~ eps (the attention key biases' gradients are zero but for rounding). At 1e-6
+    that amplification is 1e3 x float64's rounding, far below the exactness bound (tests/exact_compare.py), while a lost
+    or mis-sharded AdamW state still moves weights by ~lr = 1e-3."""
     return OptimConfig(name=opt, lr=0.1 if opt == "sgd" else 1e-3, warmup_steps=0, min_lr_ratio=1.0, eps=1e-6)
 
 
@@ -98,7 +98,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
                                          every_n_train_steps=cfg["save_every"], save_top_k=-1))
     trainer = Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("steps", 3),
-        precision=cfg.get("precision", "32-true"), gradient_clip_val=cfg.get("clip"), logger=False,
+        precision=cfg.get("precision", PRECISION), gradient_clip_val=cfg.get("clip"), logger=False,
         accumulate_grad_batches=cfg.get("accumulate", 1),
         enable_checkpointing=bool(cfg.get("save_every")), enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=callbacks,

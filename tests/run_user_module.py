@@ -13,6 +13,7 @@ import csv
 from pathlib import Path
 
 import torch
+from exact_compare import PRECISION
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -40,6 +41,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=4, logger=CSVLogger(out, name="csv"),
         callbacks=[best, stop, LearningRateMonitor(logging_interval="epoch")], log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        precision=PRECISION,  # float64 both: the metrics are compared where rounding cannot decide
     )
     per_replica = GLOBAL_BATCH // dp
     train = reference_loader(cfg.get("dp", 1), GLOBAL_BATCH) if strategy == "auto" else loader(True, per_replica)

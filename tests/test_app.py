@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from app_config import compose_app
 from procenv import clean_env
 
 from lightning_bfpp.checkpoint import read_meta
@@ -116,8 +116,7 @@ def wandb_history(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("schedule", ["breadth_first", "depth_first", "gpipe", "1f1b"])
 @pytest.mark.parametrize("cluster", ["cpu_1", "cpu_2", "cpu_4", "gpu_8", "slurm_gpu_64"])
 def test_configs_compose(schedule, cluster):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=[f"schedule={schedule}", f"cluster={cluster}"], return_hydra_config=False)
+    cfg = compose_app([f"schedule={schedule}", f"cluster={cluster}"])
     assert cfg.data.block_size == cfg.model.block_size
     assert cfg.trainer.strategy == "bfpp" and cfg.logger.name == "wandb" and cfg.optim.name == "adamw"
     assert cfg.schedule.name == schedule and cfg.cluster.name == cluster
@@ -130,8 +129,7 @@ def test_schedule_keys_are_strategy_arguments():
     schedules = sorted((CONF / "schedule").glob("*.yaml"))
     assert schedules, CONF / "schedule"
     for path in schedules:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose("train", overrides=[f"schedule={path.stem}"])
+        cfg = compose_app([f"schedule={path.stem}"])
         keys = set(cfg.schedule) - {"name"} | {"schedule"}
         assert keys <= params, f"{path.name}: {keys - params} are not BFPPStrategy arguments"
 
@@ -360,9 +358,7 @@ def test_cli_two_runs_started_at_once_get_their_own_directories(tmp_path):
 def test_trainer_keys_reach_the_trainer():
     import train
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train",
-                      overrides=["+trainer.max_epochs=1", "+trainer.deterministic=true", "trainer.max_steps=50"])
+    cfg = compose_app(["+trainer.max_epochs=1", "+trainer.deterministic=true", "trainer.max_steps=50"])
     kwargs = train.trainer_arguments(cfg)
     assert kwargs["max_epochs"] == 1 and kwargs["deterministic"] is True and "strategy" not in kwargs
     assert kwargs["val_check_interval"] == 50 and kwargs["num_sanity_val_steps"] == 0  # capped at max_steps

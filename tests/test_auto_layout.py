@@ -146,13 +146,11 @@ def test_measure_layers_is_per_sample():
 
 def test_app_schedule_layout_auto_pins_what_was_typed():
     import train
-    from hydra import compose, initialize_config_dir
+    from app_config import compose_app
     from hydra.core.hydra_config import HydraConfig
 
-    conf = str(Path(__file__).resolve().parents[1] / "conf")
     typed = ["schedule.layout=auto", "schedule=1f1b", "schedule.micro_batches=4", "data.batch_size=16", "cluster=cpu_2"]
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose("train", overrides=typed, return_hydra_config=True)
+    cfg = compose_app(typed, hydra=True)
     HydraConfig.instance().set_config(cfg)
     try:
         built = train.build_strategy(cfg)
@@ -160,8 +158,7 @@ def test_app_schedule_layout_auto_pins_what_was_typed():
         HydraConfig.instance().cfg = None
     assert built.pinned == {"schedule": "1f1b", "micro_batches": 4} and built.global_batch_size == 16
     assert tuple(built.auto_layout.sample.shape) == (4, cfg.model.block_size)  # 16 / (2 x 2 processes) rows
-    with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        cfg = compose("train", overrides=["cluster=cpu_2"])
+    cfg = compose_app(["cluster=cpu_2"])
     assert train.build_strategy(cfg).auto_layout is None  # the default: the knobs as given
 
 

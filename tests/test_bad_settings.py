@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from app_config import compose_app
 from config_checks import ConfigError, check_config
-from hydra import compose, initialize_config_dir
 from launch import ROOT, clean_env
 
 TRAIN = ROOT / "examples" / "train.py"
@@ -266,9 +266,7 @@ ACCEPTED = [
 ]
 
 
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides)
+_compose = compose_app
 
 
 @pytest.mark.parametrize("overrides, message", CHECKS, ids=[" ".join(o) for o, _ in CHECKS])

@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from exact_compare import assert_exact
 from exact_model import StackNet, reference_eval
-from launch import run_lightning
+from launch import merged, run_lightning
+from one_process import as_float64
 
 import lightning_bfpp.checkpoint as ckpt
 
@@ -62,30 +64,30 @@ def runs(tmp_path_factory):
     return out
 
 
-def _params(ranks):
-    return {n: t for r in ranks for n, t in r["params"].items()}
+_params = merged
 
 
-def _compare(resumed, original, tol):
+def _compare(resumed, original):
+    """The resumed run's last 3 losses and its parameters equal the uninterrupted run's (float64,
+    ``exact_compare``)."""
     assert all(r["losses"] == resumed[0]["losses"] for r in resumed)  # same on every rank
     got, want = resumed[0]["losses"], original[0]["losses"][3:]
-    assert len(got) == 3 and max(abs(a - b) for a, b in zip(got, want)) <= tol, (got, want)
-    a, b = _params(resumed), _params(original)
-    assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= tol
+    assert len(got) == 3, got
+    assert_exact(got, want, "train_loss")
+    assert_exact(_params(resumed), _params(original), "params")
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_exact_resume_same_layout(runs, opt):
     """6 steps uninterrupted == 3 steps, checkpoint, resume, 3 steps (pp=2, loops=2, dp=2)."""
-    _compare(runs["dp2-resumed"][opt], runs["dp2"][opt], 1e-6)
+    _compare(runs["dp2-resumed"][opt], runs["dp2"][opt])
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 @pytest.mark.parametrize("layout", ["pp4-from-dp1", "pp1-from-dp1", "dp2-from-dp1"])
 def test_resume_in_another_layout(runs, layout, opt):
     """A pp=2 loops=2 dp=1 checkpoint continues at pp=4 loops=1, in one process, and at dp=2."""
-    _compare(runs[layout][opt], runs["dp1"][opt], 1e-5)
+    _compare(runs[layout][opt], runs["dp1"][opt])
 
 
 @pytest.mark.parametrize("resumed, original",
@@ -96,7 +98,7 @@ def test_tied_weight_resumes_across_layouts(runs, resumed, original):
     want = runs[original]
     if resumed == "tied-one-from-copies":  # one copy: the model lists the tied matrix once, as embed.weight
         want = [{**r, "params": {k: v for k, v in r["params"].items() if k != "unembed.weight"}} for r in want]
-    _compare(runs[resumed], want, 1e-5)
+    _compare(runs[resumed], want)
 
 
 def test_background_saves_resume_exactly(runs):
@@ -109,14 +111,14 @@ def test_background_saves_resume_exactly(runs):
         folder = runs["root"] / "async" / f"step={step}.ckpt"
         ckpt.check_path(folder)  # manifest, files and sizes
         assert ckpt.read_meta(folder)["global_step"] == step
-    _compare(runs["dp2-from-async"], runs["dp1"]["adamw"], 1e-5)
+    _compare(runs["dp2-from-async"], runs["dp1"]["adamw"])
 
 
 def test_export_loads_strict_and_gives_the_same_loss(runs, tmp_path):
     folder = runs["root"] / "dp1-adamw" / "step=6.ckpt"
     out = tmp_path / "model.ckpt"
     ckpt.main([str(folder), str(out)])
-    model = StackNet()
+    model = as_float64(StackNet())  # the run's precision ("64-true")
     model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
     trained = _params(runs["dp1"]["adamw"])
     assert max((model.state_dict()[k] - trained[k]).abs().max().item() for k in trained) == 0.0
@@ -133,7 +135,7 @@ def test_plain_file_loads_into_a_pipelined_layout(runs):
     assert got.keys() == exported.keys()
     assert max((got[k] - exported[k]).abs().max().item() for k in got) == 0.0
     expected, _ = reference_eval(exported, 2, 8, limit=2)
-    assert all(abs(r["val_loss"] - expected) <= 1e-6 for r in ranks)
+    assert_exact([r["val_loss"] for r in ranks], [expected] * len(ranks), "val_loss")
 
 
 def test_a_failed_save_is_never_a_checkpoint_and_leaves_nothing(tmp_path, monkeypatch):

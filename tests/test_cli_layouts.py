@@ -10,8 +10,8 @@ import sys
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from test_app import CONF, ROOT, clean_env, run_cli
+from app_config import compose_app
+from test_app import ROOT, clean_env, run_cli
 
 COMMON = ["optim=sgd", "logger=csv", "trainer.max_steps=3", "trainer.limit_val_batches=2",
           "trainer.val_check_interval=3", "trainer.enable_progress_bar=false", "data.max_bytes=400000"]
@@ -120,8 +120,7 @@ def test_cli_checkpoint_resume_and_export(tmp_path):
     from data import CorpusDataModule
     from gpt import GPT, GPTConfig
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("train", overrides=COMMON + layout)
+    cfg = compose_app(COMMON + layout)
     model = GPT(GPTConfig(**{k: v for k, v in cfg.model.items() if k != "name"}))
     model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
     loaded = GPT.load_from_checkpoint(out)  # as docs/checkpoints.md shows: the hyperparameters travel with the weights

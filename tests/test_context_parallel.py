@@ -1,9 +1,9 @@
 """Context parallel (each rank holds 1/cp of every sequence; attention gathers keys and values over the cp group):
 the example GPT (also over windows packing several documents) and Hugging Face causal LMs (Llama, Mistral's sliding
-window, ...) train like one process (SGD, 3 steps, <= 1e-6), a checkpoint reshards between cp sizes, a pipeline
-message and a layer's gathered keys and values are what the simulator counts, the saved activations per rank shrink
-as the simulator says, and bad settings are refused before launch, naming the setting. Launches of
-tests/run_context.py: 4 processes (in `make test`), a wider matrix on 4 and 8 processes (slow)."""
+window, ...) train like one process (SGD, 3 steps, in float64: tests/exact_compare.py), a checkpoint reshards between
+cp sizes, a pipeline message and a layer's gathered keys and values are what the simulator counts, the saved
+activations per rank shrink as the simulator says, and bad settings are refused before launch, naming the setting.
+Launches of tests/run_context.py: 4 processes (in `make test`), a wider matrix on 4 and 8 processes (slow)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import run_tp
 import torch
+from exact_compare import ELEMENT_BYTES, assert_exact
 from gpt import GPT, GPTConfig
-from launch import ROOT, Launches
+from launch import ROOT, Launches, merged
 from lightning.pytorch import Trainer
 
 from lightning_bfpp import BFPPStrategy
@@ -22,11 +23,11 @@ from lightning_bfpp.schedule.dims import LayoutError, ParallelDims
 
 pytest.importorskip("transformers", reason="the Hugging Face configs need the [hf] extra")
 
+from test_hf_exact import micro_batches as hf_micro_batches
 from test_hf_exact import reference as hf_reference
 from test_tensor_parallel import _compare, check_packed_documents
 from test_tensor_parallel import reference as gpt_reference
 
-EXACT, RESUME = 1e-6, 1e-5
 STEPS, BATCH = 3, 8
 
 # name: config ("model": gpt | hf, then run_tp's or run_hf_exact's keys); HF models default to pp=2 x loops=2
@@ -100,16 +101,15 @@ def _check(records: list[dict], cfg: dict, devices: int) -> None:
         ref = gpt_reference(STEPS, [dp] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
                             batch=cfg.get("batch", BATCH), ignored=cfg.get("ignored", False),
                             moe=cfg.get("moe", False))
-        _compare(records, ref, EXACT)
+        _compare(records, ref)
         return
     model, losses, _ = hf_reference(cfg["family"], dp, attn=cfg.get("attn", "sdpa"), kv_heads=cfg.get("kv_heads", 1),
-                                    ignored=cfg.get("ignored", False))
+                                    ignored=cfg.get("ignored", False), micro_batches=hf_micro_batches(cfg, dp))
     params = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
-    got = {n: t for r in records for n, t in r["params"].items()}
+    got = merged(records)
     assert set(got) <= set(params) and got
-    worst = max((got[n] - params[n]).abs().max().item() for n in got)
-    assert worst <= EXACT, f"max |bfpp - one process| = {worst:.3g}"
-    assert records[-1]["losses"] == pytest.approx(losses, abs=1e-5)
+    assert_exact(got, {n: params[n] for n in got}, "params")
+    assert_exact(records[-1]["losses"], losses, "train_loss")
 
 
 EXACT_RUNS = [("fast", n) for n, c in FAST.items() if "opt" not in c] + [("wide", n) for n in WIDE] + \
@@ -128,9 +128,9 @@ def test_a_checkpoint_reshards_between_context_parallel_sizes(runs):
     the resumed run and the uninterrupted one equal one process's 4 steps (the checkpoint's keys are the model's)."""
     saved, resumed = FAST["save-cp2"], FAST["resume-cp1"]
     dp_saved, dp_resumed = _dp(4, saved), _dp(4, resumed)
-    _compare(runs("fast")["save-cp2"], gpt_reference(4, [dp_saved] * 4, opt="adamw"), RESUME)
+    _compare(runs("fast")["save-cp2"], gpt_reference(4, [dp_saved] * 4, opt="adamw"))
     ref = gpt_reference(4, [dp_saved] * 2 + [dp_resumed] * 2, opt="adamw")
-    _compare(runs("fast")["resume-cp1"], (ref[0], ref[1][2:]), RESUME)  # the resumed run logs steps 3 and 4
+    _compare(runs("fast")["resume-cp1"], (ref[0], ref[1][2:]))  # the resumed run logs steps 3 and 4
 
 
 def _sim_layers(tensor_parallel: int = 1, sequence_parallel: bool = False, context_parallel: int = 1):
@@ -146,7 +146,7 @@ def _sim_layers(tensor_parallel: int = 1, sequence_parallel: bool = False, conte
 def test_messages_and_gathered_keys_are_what_the_simulator_counts(runs, launch, name):
     """A pipeline message carries the micro-batch's cp shard (with sequence parallel, / tp as well), and one attention
     layer all-gathers the whole sequence's keys and values (of this tp rank's heads): the simulator's message_bytes
-    and kv_gather_bytes count the same (fp32 here)."""
+    and kv_gather_bytes count the same (float64 here)."""
     from lightning_bfpp.sim import kv_gather_bytes, message_bytes
 
     devices, configs = LAUNCHES[launch]
@@ -156,12 +156,13 @@ def test_messages_and_gathered_keys_are_what_the_simulator_counts(runs, launch, 
     micro_batch = BATCH // _dp(devices, cfg) // cfg["m"]
     records = runs(launch)[name]
     senders = [r["message_bytes"] for r in records if r["message_bytes"]]
-    expected = message_bytes(layers, micro_batch, tp, sp, activation_bytes=4)
+    expected = message_bytes(layers, micro_batch, tp, sp, activation_bytes=ELEMENT_BYTES)
     c = run_tp.model_config()
-    assert expected == micro_batch * c.block_size // cp * c.n_embd * 4 // (tp if sp else 1)
+    assert expected == micro_batch * c.block_size // cp * c.n_embd * ELEMENT_BYTES // (tp if sp else 1)
     assert senders and all(b == expected for b in senders), (senders, expected)
-    gathered = kv_gather_bytes(layers, micro_batch, activation_bytes=4)
-    assert gathered == 2 * micro_batch * c.block_size * c.n_embd // tp * 4  # keys and values, whole sequence
+    gathered = kv_gather_bytes(layers, micro_batch, activation_bytes=ELEMENT_BYTES)
+    # keys and values, whole sequence
+    assert gathered == 2 * micro_batch * c.block_size * c.n_embd // tp * ELEMENT_BYTES
     assert all(r["kv_gather_bytes"] == gathered for r in records)
 
 

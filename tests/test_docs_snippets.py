@@ -102,6 +102,14 @@ def test_readme_quickstart_runs_as_written_under_strategy_auto(workdirs):
     assert re.search(r"rank 0: train_loss \d", proc.stdout), proc.stdout[-2000:]
 
 
+def test_the_readme_quickstart_is_examples_minimal_py():
+    """examples/minimal.py is the quickstart as a file: its code after the docstring is the README's block, so the
+    block's run in `make test` (test_doc_block) runs the file's code too."""
+    (block,) = [b for b in BLOCKS if b.file == "README.md" and "class MLP(PipelineHooks" in b.code]
+    source = (ROOT / "examples" / "minimal.py").read_text()
+    assert source.split('"""\n\n', 1)[1] == block.code, "README.md's quickstart and examples/minimal.py differ"
+
+
 def test_readme_links_point_to_files():
     readme = (ROOT / "README.md").read_text()
     targets = {t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme)

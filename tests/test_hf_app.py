@@ -7,8 +7,8 @@ import json
 import math
 
 import pytest
-from hydra import compose, initialize_config_dir
-from test_app import CONF, run_cli
+from app_config import compose_app
+from test_app import run_cli
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install lightning-bfpp[hf])")
 
@@ -34,9 +34,8 @@ def test_hf_configs_follow_the_layer_rule():
     from config_checks import ConfigError, check_config
 
     for model in ("hf_llama_tiny", "hf_gpt2_tiny"):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            ok = compose("train", overrides=[f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=3"])
-            bad = compose("train", overrides=[f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=4"])
+        ok = compose_app([f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=3"])
+        bad = compose_app([f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=4"])
         check_config(ok)  # 6 stages, 6 layers
         with pytest.raises(ConfigError, match=r"8 stages .* model.n_layer=4 \(embedding, 4 blocks, head\) gives 6"):
             check_config(bad)
@@ -75,8 +74,7 @@ def test_hf_pretrained_settings_are_checked_before_launch(saved_llama, tmp_path)
     run_dir.register_resolvers()  # as examples/train.py does at import: ${bfpp_hf_config:...}
 
     def compose_with(*overrides):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose("train", overrides=["model=hf_pretrained", *overrides])
+        return compose_app(["model=hf_pretrained", *overrides])
 
     with pytest.raises(ConfigError, match=r"needs the saved model's directory: model.path="):
         check_config(compose_with())

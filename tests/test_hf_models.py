@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exact_compare import assert_exact
+from lightning.pytorch.plugins import DoublePrecision
+from one_process import as_float64
 
 transformers = pytest.importorskip("transformers",
                                    reason="lightning_bfpp.hf needs the [hf] extra: pip install -e '.[dev,hf]'")
@@ -52,13 +55,14 @@ NEEDS_5 = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, re
 @pytest.mark.parametrize("model_type",
                          [pytest.param(t, marks=NEEDS_5) if t == "gemma3_text" else t for t in ARCHITECTURES])
 def test_the_pipeline_layers_give_the_models_own_logits(model_type, attn):
-    model = build(model_type, attn).eval()
+    model = as_float64(build(model_type, attn)).eval()  # float64: where rounding cannot decide (exact_compare)
     lm = CausalLM(model)
     ids = torch.randint(0, SMALL["vocab_size"], (3, SEQ), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    # as under Trainer(precision="64-true"): float64 the default dtype (the side inputs' cos/sin are made in it)
+    with torch.no_grad(), DoublePrecision().forward_context():
         expected = model(ids).logits
         assert expected.abs().max() > 1  # large enough for the scalings to matter
-        torch.testing.assert_close(lm(ids), expected, rtol=1e-5, atol=1e-5)
+        assert_exact(lm(ids), expected, "logits")
 
 
 def test_layers_of_mixed_attention_types_keep_the_models_own_names():

@@ -14,11 +14,10 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import run_dir as rundir
+from app_config import compose_app
 from command_line import check_command_line
 from config_checks import ConfigError, check_config
-from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from launch import ROOT
 from procenv import clean_env
 from torch.utils.data import DataLoader
 
@@ -30,10 +29,7 @@ from lightning_bfpp.schedule import BREADTH_FIRST, LOOPED_SCHEDULES, SCHEDULES, 
 from lightning_bfpp.schedule.dims import LayoutError, ParallelDims, nearest_multiples
 from lightning_bfpp.sim import draw
 
-
-def _compose(overrides: list[str], hydra: bool = False):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train", overrides=overrides, return_hydra_config=hydra)
+_compose = compose_app
 
 
 # ---- errors that name the fix ----

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exact_compare import PRECISION, assert_exact
 from exact_model import StackNet
 from gpt import GPT, GPTConfig
+from one_process import as_float64
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -119,11 +121,11 @@ def test_from_pretrained_runs_under_a_plain_lightning_strategy(saved):
     model = CausalLM.from_pretrained(saved, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+                      enable_progress_bar=False, enable_model_summary=False, precision=PRECISION)
     trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4))
-    reference = transformers.Qwen2ForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    reference = as_float64(transformers.Qwen2ForCausalLM.from_pretrained(saved, dtype=torch.float32))
     loss = torch.nn.functional.cross_entropy(reference(tokens[:, :-1]).logits.flatten(0, 1), tokens[:, 1:].flatten())
-    assert trainer.callback_metrics["train_loss"].item() == pytest.approx(loss.item(), abs=1e-6)
+    assert_exact(trainer.callback_metrics["train_loss"], loss, "train_loss")
 
 
 def test_from_pretrained_refuses_what_it_cannot_read(saved, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from exact_compare import assert_exact
 from exact_model import reference
 from launch import run_lightning, run_slurm
 from test_signals import BATCH, BUDGET_S, STOPPED, WORLD, signal_job
@@ -29,14 +30,14 @@ def equals_reference(folder: Path, work: Path) -> int:
     step = ckpt.read_meta(folder)["global_step"]
     state = ckpt.export(folder, work / "exported.pt")
     want, _ = reference(step, BATCH)
-    assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    assert_exact({k: state[k] for k in want}, want, "params")
     return step
 
 
 def resumed_equals_reference(work: Path, step: int, result: list[list[dict]]) -> None:
     want, _ = reference(step + MORE, BATCH)
     params = {k: v for rank in result[0] for k, v in rank["params"].items()}  # every rank's stages
-    assert max((params[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    assert_exact({k: params[k] for k in want}, want, "params")
 
 
 @pytest.mark.parametrize("resume", ["hpc", pytest.param("last", marks=pytest.mark.slow)])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from exact_compare import assert_exact
 from exact_model import reference
 from launch import start_lightning, start_slurm, start_torchrun
 
@@ -118,7 +119,7 @@ def newest_checkpoint_is_complete(save_dir: Path, work: Path, name: str | None =
         saved[step] = save_dir / name
     state = ckpt.export(saved[step], work / "exported.pt")
     want, _ = reference(step, BATCH)  # (one epoch: 16 steps; the signal comes after about 6)
-    assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-6
+    assert_exact({k: state[k] for k in want}, want, "params")
     return step
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from exact_compare import PRECISION, assert_exact
 from exact_model import StackNet, dataset
-from launch import run_lightning
+from launch import merged, run_lightning
 from lightning.pytorch import Trainer
+from one_process import as_float64
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_bfpp.checkpoint as ckpt
@@ -30,10 +32,13 @@ def plain_loader() -> DataLoader:
 
 
 def fit_auto(opt: str, steps: int, ckpt_path: Path | None = None, save: Path | None = None) -> dict[str, torch.Tensor]:
-    """Lightning's strategy="auto" on this process's CPU; returns the final weights."""
+    """Lightning's strategy="auto" on this process's CPU, in the exactness runs' precision (float64, as run_exact's
+    bfpp runs); returns the final weights."""
     torch.manual_seed(0)
-    model = StackNet(opt=opt)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy="auto", max_steps=steps, logger=False,
+    # cast before fit: Lightning restores a plain checkpoint before DoublePrecision casts the model, so a float32
+    # model would round the checkpoint's float64 weights to float32 on loading
+    model = as_float64(StackNet(opt=opt))
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="auto", max_steps=steps, logger=False, precision=PRECISION,
                       enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
                       limit_val_batches=0)
     trainer.fit(model, plain_loader(), ckpt_path=ckpt_path)
@@ -42,9 +47,6 @@ def fit_auto(opt: str, steps: int, ckpt_path: Path | None = None, save: Path | N
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module", params=[pytest.param("sgd", marks=pytest.mark.slow), "adamw_groups"])
@@ -56,13 +58,13 @@ def moves(request, tmp_path_factory):
     cfgs = [{"pp": 2, "m": 2, "opt": opt, "steps": EPOCH + MORE, "resume": str(root / "auto.ckpt")},
             {"pp": 2, "m": 2, "opt": opt, "steps": EPOCH, "save": str(root / "bfpp.ckpt")}]
     ranks = run_lightning(root / "bfpp", 2, cfgs)
-    out["bfpp-from-auto"] = {k: v for r in ranks[0] for k, v in r["params"].items()}
+    out["bfpp-from-auto"] = merged(ranks[0])
     return out
 
 
 def test_auto_checkpoint_resumes_under_bfpp_with_its_optimizer_state(moves):
     """AdamW with nanoGPT's two param groups (and SGD): every parameter's state lands on the rank holding it."""
-    assert gap(moves["bfpp-from-auto"], moves["auto"]) <= 1e-5
+    assert_exact(moves["bfpp-from-auto"], moves["auto"], "params")
 
 
 def test_exported_full_checkpoint_resumes_under_auto(moves, tmp_path):
@@ -70,7 +72,7 @@ def test_exported_full_checkpoint_resumes_under_auto(moves, tmp_path):
     ckpt.main([str(moves["root"] / "bfpp.ckpt"), str(out), "--full"])
     plain = torch.load(out, weights_only=False)
     assert {"optimizer_states", "loops", "lr_schedulers", "epoch", "global_step"} <= plain.keys()
-    assert gap(fit_auto(moves["opt"], EPOCH + MORE, ckpt_path=out), moves["auto"]) <= 1e-5
+    assert_exact(fit_auto(moves["opt"], EPOCH + MORE, ckpt_path=out), moves["auto"], "state")
 
 
 @pytest.mark.slow

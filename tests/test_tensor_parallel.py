@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 import run_tp
 import torch
+from exact_compare import ELEMENT_BYTES, assert_exact
 from gpt import GPT
-from launch import ROOT, Launches
+from launch import ROOT, Launches, merged
 from lightning.pytorch import Trainer
+from one_process import BatchLoss, as_float64, train
 
 from lightning_bfpp import BFPPStrategy, mean_loss
 from lightning_bfpp.layout.tensor_parallel import layer_plans
 from lightning_bfpp.schedule import ScheduleSpec
 from lightning_bfpp.schedule.dims import ParallelDims
 
-EXACT, RESUME = 1e-6, 1e-5
 STEPS, BATCH = 3, 8
 # bf16-mixed vs fp32 train_loss over 3 SGD steps, relative (test_precision_memory measured <= 0.25% over 3 steps)
 BF16_RTOL = 0.02
@@ -91,47 +92,50 @@ def runs(tmp_path_factory) -> Launches:
 def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | None = None, tied: bool = False,
               batch: int = BATCH, ignored: bool = False, accumulate: int = 1,
               moe: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process, the same data: step t uses Lightning's batches t*accumulate.. under data_parallel = orders[t],
-    the mean over their counted targets (each batch's own mean recorded as its loss)."""
+    """One process in float64 (``one_process.train``), the same data: step t uses Lightning's batches
+    t*accumulate.. under data_parallel = orders[t], the mean over their counted targets (each batch's own mean recorded
+    as its loss; a mixture's router loss the whole batch's)."""
     torch.manual_seed(0)
-    model = GPT(run_tp.model_config(tied, moe), run_tp.optim_config(opt))
+    model = as_float64(GPT(run_tp.model_config(tied, moe), run_tp.optim_config(opt)))
+
+    def loss(model: GPT, batch) -> BatchLoss:
+        x, y = batch
+        output = model(x)
+        total, counted = model.pipeline_loss(output, y)  # + a mixture's router loss x counted, the whole batch's
+        return total, counted, mean_loss(model._lm_loss(output, y)).item()  # train_loss: the cross-entropy's mean
+
+    data = (run_tp.lightning_batches(batch, orders[t], ignored)[t * accumulate:(t + 1) * accumulate]
+            for t in range(steps))
+    losses = train(model, _optimizer(model, opt), data, loss, clip=clip)
+    # a tied weight under each of its names (stages on different pipeline ranks hold a copy each)
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, losses
+
+
+def _optimizer(model: GPT, opt: str = "sgd") -> torch.optim.Optimizer:
+    """The example GPT's own optimizer (``GPT.configure_optimizers``: decay on matrices only), without its schedule
+    (a constant learning rate here)."""
     o = model.optim
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum) if opt == "sgd" else \
-        torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-    losses = []
-    for t in range(steps):
-        batches = run_tp.lightning_batches(batch, orders[t], ignored)[t * accumulate:(t + 1) * accumulate]
-        items = sum(int((y != -100).sum()) for _, y in batches)
-        optimizer.zero_grad()
-        for x, y in batches:
-            output = model(x)
-            total, counted = model.pipeline_loss(output, y)  # + a mixture's router loss x counted, the whole batch's
-            (total / items).backward()
-            losses.append(mean_loss(model._lm_loss(output, y)).item())  # train_loss: the cross-entropy's mean
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-    # a tied weight under each of its names (stages on different pipeline ranks hold a copy each)
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, losses
+    if opt == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
 
 
 def _dp(devices: int, cfg: dict) -> int:
     return devices // (cfg.get("pp", 1) * cfg.get("tp", 1))
 
 
-def _compare(ranks: list[dict], ref: tuple[dict, list[float]], tol: float) -> float:
+def _compare(ranks: list[dict], ref: tuple[dict, list[float]]) -> float:
+    """The ranks' parameters (merged) and train_loss equal the reference's (``exact_compare``, float64); a tied
+    weight is held under one name."""
     ref_params, ref_losses = ref
-    params = {n: t for r in ranks for n, t in r["params"].items()}
-    assert set(params) <= set(ref_params) and set(ref_params) - set(params) <= {"head.lm_head.weight"}  # tied: 1 name
-    diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
-    assert diff <= tol, f"max |param - reference| = {diff:.3g}"
+    params = merged(ranks)
+    assert set(params) <= set(ref_params) and set(ref_params) - set(params) <= {"head.lm_head.weight"}
+    diff = assert_exact(params, {n: ref_params[n] for n in params}, "params")
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)
-    assert len(ranks[0]["losses"]) == len(ref_losses), (ranks[0]["losses"], ref_losses)
-    loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_losses))
-    assert loss_diff <= tol, (ranks[0]["losses"], ref_losses)
+    assert_exact(ranks[0]["losses"], ref_losses, "train_loss")
     return diff
 
 
@@ -154,7 +158,7 @@ def test_matches_one_process(runs, devices, name):
     ranks = runs(devices)[name]
     ref = reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
                     ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1), moe=cfg.get("moe", False))
-    _compare(ranks, ref, EXACT)
+    _compare(ranks, ref)
     split = {n for r in ranks for n in r["tp_split"] if n.endswith("weight")}  # over the ranks: each its own stages
     assert split == (split_weights(cfg.get("tied", False)) if cfg.get("tp", 1) > 1 else set()), sorted(split)
 
@@ -170,8 +174,8 @@ def test_bf16_mixed_follows_fp32(runs, name):
 @pytest.mark.parametrize("devices,name", [(4, "pp2-tp2-sp"), (4, "pp2-tp2-bf"),
                                           pytest.param(8, "pp2-loops2-dp2-tp2-sp", marks=pytest.mark.slow)])
 def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
-    """A pipeline message is one micro-batch's activation (fp32): whole on every tp rank, or with sequence parallel
-    each rank's 1/tp of the sequence; the simulator's message_bytes (what its p2p times are made of) says the same."""
+    """A pipeline message is one micro-batch's activation (float64 here): whole on every tp rank, or with sequence
+    parallel each rank's 1/tp of the sequence; the simulator's message_bytes (its p2p times' sizes) says the same."""
     from lightning_bfpp.sim import Model, message_bytes
 
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
@@ -179,11 +183,11 @@ def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
     model = Model(c.n_layer, c.n_head, c.n_embd, c.block_size, c.vocab_size)
     layers = model.layers(None, cfg["tp"], cfg.get("sp", False))
     micro_batch = BATCH // _dp(devices, cfg) // cfg["m"]
-    expected = message_bytes(layers, micro_batch, cfg["tp"], cfg.get("sp", False), activation_bytes=4)
+    expected = message_bytes(layers, micro_batch, cfg["tp"], cfg.get("sp", False), activation_bytes=ELEMENT_BYTES)
     sent = [r["message_bytes"] for r in runs(devices)[name]]
     senders = [b for b in sent if b]  # ranks holding the last stage only (pp2, loops 1) send nothing forward
     assert senders and all(b == expected for b in senders), (sent, expected)
-    assert expected == micro_batch * c.block_size * c.n_embd * 4 / (cfg["tp"] if cfg.get("sp") else 1)
+    assert expected == micro_batch * c.block_size * c.n_embd * ELEMENT_BYTES / (cfg["tp"] if cfg.get("sp") else 1)
 
 
 @pytest.mark.parametrize("saved,resumed", [("save-tp2", "resume-tp1"), ("save-tp1", "resume-tp2"),
@@ -196,8 +200,8 @@ def test_adamw_resume_across_tensor_parallel_sizes(runs, saved, resumed):
     a, b = WORLD4[saved], WORLD4[resumed]
     moe = a.get("moe", False)
     ref = reference(4, [_dp(4, a)] * 2 + [_dp(4, b)] * 2, opt="adamw", moe=moe)
-    _compare(runs(4)[saved], reference(4, [_dp(4, a)] * 4, opt="adamw", moe=moe), RESUME)
-    _compare(runs(4)[resumed], (ref[0], ref[1][2:]), RESUME)  # the resumed run logs steps 3 and 4
+    _compare(runs(4)[saved], reference(4, [_dp(4, a)] * 4, opt="adamw", moe=moe))
+    _compare(runs(4)[resumed], (ref[0], ref[1][2:]))  # the resumed run logs steps 3 and 4
 
 
 def test_export_of_a_tensor_parallel_checkpoint_is_one_plain_file(runs, tmp_path):
@@ -360,20 +364,16 @@ def packed_reference(data_parallel: int) -> tuple[GPT, list[float]]:
     from packed_rows import PackedRows, alone_loss_sum, global_batches
 
     torch.manual_seed(0)
-    model = GPT(run_tp.model_config(), run_tp.optim_config())
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD([{"params": [p for p in params if p.dim() >= 2]},
-                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                lr=model.optim.lr, momentum=model.optim.momentum, weight_decay=model.optim.weight_decay)
-    data, losses = global_batches(PackedRows(run_tp.SAMPLES, run_tp.BLOCK, run_tp.VOCAB), BATCH, data_parallel), []
-    for _ in range(STEPS):
-        x, y, documents = next(data)
-        items = int((y != -100).sum())
-        optimizer.zero_grad()
+    model = as_float64(GPT(run_tp.model_config(), run_tp.optim_config()))
+
+    def loss(model: GPT, batch) -> BatchLoss:
+        x, y, documents = batch
         total = alone_loss_sum(model, x, y, documents)
-        (total / items).backward()
-        losses.append(total.item() / items)
-        optimizer.step()
+        items = int((y != -100).sum())
+        return total, items, total.item() / items
+
+    data = global_batches(PackedRows(run_tp.SAMPLES, run_tp.BLOCK, run_tp.VOCAB), BATCH, data_parallel)
+    losses = train(model, _optimizer(model), ([next(data)] for _ in range(STEPS)), loss)
     return model, losses
 
 
@@ -381,24 +381,23 @@ def packed_reference(data_parallel: int) -> tuple[GPT, list[float]]:
 def test_packed_documents_train_and_predict_as_each_document_alone(runs, name):
     """The example GPT on windows packing several documents (positions restart, attention stays within each document)
     at pp=2 x loops=2 x dp=2 and at pp=2 x tp=2 with sequence parallel: 3 SGD steps equal one process running every
-    document alone, and each document's loss in a predicted packed window equals its loss alone (<= 1e-5)."""
+    document alone, and each document's loss in a predicted packed window equals its loss alone."""
     check_packed_documents(runs(4)[name], _dp(4, WORLD4[name]))
 
 
 def check_packed_documents(ranks: list[dict], dp: int) -> None:
-    """Every rank's parameters and losses after 3 SGD steps on packed rows equal `packed_reference` (<= 1e-6), and
-    each document's loss in the packed windows the ranks predicted equals its loss alone (<= 1e-5)."""
+    """Every rank's parameters and losses after 3 SGD steps on packed rows equal `packed_reference`, and each
+    document's loss in the packed windows the ranks predicted equals its loss alone (``exact_compare``)."""
     import torch.nn.functional as F
     from packed_rows import PackedRows, document_losses, segments
 
     model, losses = packed_reference(dp)
     ref = {n: p.detach() for n, p in model.named_parameters()}
-    _compare(ranks, (ref, losses), EXACT)
+    _compare(ranks, (ref, losses))
     rows = PackedRows(run_tp.SAMPLES, run_tp.BLOCK, run_tp.VOCAB)
     x, y, documents = rows.tensors
     predicted = {r["replica"]: r["predicted"] for r in ranks if r["predicted"] is not None}
     assert len(predicted) == dp
-    worst = 0.0
     for (replica, replicas), logits in predicted.items():
         mine = list(range(replica, BATCH, replicas))
         packed = document_losses(logits, y[mine], documents[mine])
@@ -406,5 +405,4 @@ def check_packed_documents(ranks: list[dict], dp: int) -> None:
             alone = [F.cross_entropy(model(x[r:r + 1, a:b])[0], y[r, a:b], ignore_index=-100).item()
                      for r in mine for a, b in segments(documents[r]) if (y[r, a:b] != -100).any()]
         assert len(packed) == len(alone) > len(mine)  # several documents per window
-        worst = max(worst, *(abs(p - a) for p, a in zip(packed, alone)))
-    assert worst <= 1e-5, f"max |a document's loss packed - alone| = {worst:.3g}"
+        assert_exact(packed, alone, f"replica {replica}'s document losses, packed vs alone")

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
-from test_app import CONF, TRAIN
+from app_config import compose_app
+from test_app import TRAIN
 
 pytest.importorskip("datasets", reason="data=text needs the [data] extra: pip install -e '.[dev,hf,data]'")
 pytest.importorskip("transformers", reason="model=hf_pretrained needs the [hf] extra")
@@ -72,9 +72,7 @@ def compose_text(*overrides: str):
     import run_dir
 
     run_dir.register_resolvers()  # ${bfpp_hf_config:...}, as examples/train.py does at import
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train", overrides=["data=text", "cluster=cpu_2", "schedule.pipeline_parallel=2",
-                                           "data.batch_size=8", *overrides])
+    return compose_app(["data=text", "cluster=cpu_2", "schedule.pipeline_parallel=2", "data.batch_size=8", *overrides])
 
 
 def test_bad_text_data_is_named_before_launch(local, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from exact_compare import EXACT_TOL
 from launch import ROOT, Launches
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -15,7 +16,7 @@ from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.adapter.steps import _pack, pipeline_answers_forward, recording_logs
 
 SCRIPT = ROOT / "tests" / "run_user_module.py"
-TOL = 1e-6
+TOL = EXACT_TOL  # both runs in float64 (tests/exact_compare.py)
 # world size -> layouts run in one launch (dp = world / pp)
 LAUNCHES = {
     1: [{"strategy": "auto", "dp": 1}, {"strategy": "auto", "dp": 2}],

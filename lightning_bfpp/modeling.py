@@ -1,0 +1,29 @@
+"""What a model's own layers call to run under bfpp: the public names of the model contract's helpers.
+
+A LightningModule becomes pipelinable through ``PipelineHooks``; its layers may also need:
+
+- **context parallel** (each rank holds 1/cp of every sequence): ``attention`` (scaled dot-product attention over
+  the whole sequence's keys and values, gathered over the context-parallel group; plain SDPA otherwise) and
+  ``token_positions`` (this rank's tokens' positions in the whole sequence);
+- **packed documents** (batches with document ids): ``split_documents``, ``document_positions`` (positions restarting
+  at each document) and ``document_causal_mask`` (attention within each document);
+- **a router's load-balancing loss** over the whole step (mixtures of experts): ``router_stats`` (a layer's routing
+  statistics), ``router_loss`` (the loss a micro-batch trains, read from the step's totals in backward),
+  ``load_balancing_loss`` (the loss of given statistics) and ``active_step_totals`` (the step's totals; None outside
+  a pipelined step);
+- **counted losses**: ``mean_loss`` turns a ``(loss_sum, num_items)`` pair into its mean.
+
+The example GPT (``examples/gpt.py``) uses each of them. Their definitions live in ``lightning_bfpp.contract``; the
+names here are the stable ones.
+"""
+
+from __future__ import annotations
+
+from .contract.context_parallel import attention, token_positions
+from .contract.documents import document_causal_mask, document_positions, split_documents
+from .contract.hooks import PipelineHooks, mean_loss
+from .contract.router_loss import load_balancing_loss, router_loss, router_stats
+from .contract.step_totals import active_step_totals
+
+__all__ = ["PipelineHooks", "active_step_totals", "attention", "document_causal_mask", "document_positions",
+           "load_balancing_loss", "mean_loss", "router_loss", "router_stats", "split_documents", "token_positions"]

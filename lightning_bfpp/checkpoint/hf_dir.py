@@ -21,15 +21,17 @@ from .safety import CheckpointError
 HF_RECORD = "hf_model"  # the checkpoint's record of the model: {"config", "peft", "tokenizer"}, JSON strings and paths
 
 
-def hf_record(config: Any, peft_configs: dict[str, Any] | None, tokenizer: str | None) -> dict[str, Any]:
+def hf_record(config: Any, peft_configs: dict[str, Any] | None, tokenizer: str | None,
+              base: str | None = None) -> dict[str, Any]:
     """What a checkpoint records of a Hugging Face model (plain data: read without running code): its config, its
-    LoRA adapters' configs ({adapter name: config}), the tokenizer directory or name of the run."""
+    LoRA adapters' configs ({adapter name: config}), the tokenizer directory or name of the run, the directory the
+    pretrained weights came from (`base`: what exported adapters adapt)."""
     def plain(value: Any) -> Any:
         return sorted(value) if isinstance(value, set) else str(value)
 
     peft = {name: json.dumps(c.to_dict(), default=plain) for name, c in (peft_configs or {}).items()}
     return {"config": config.to_json_string(use_diff=False), "peft": peft,
-            "tokenizer": str(tokenizer) if tokenizer else None}
+            "tokenizer": str(tokenizer) if tokenizer else None, "base": str(base) if base else None}
 
 
 def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, adapters: bool = False,
@@ -57,6 +59,9 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike, ada
     try:
         if record.get("peft") and not adapters:
             model = model.merge_and_unload()
+        elif adapters and record.get("base"):  # the adapters' base model, as PEFT records it
+            for config in model.peft_config.values():
+                config.base_model_name_or_path = record["base"]
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if record.get("tokenizer"):
             from transformers import AutoTokenizer

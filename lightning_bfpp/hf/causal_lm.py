@@ -141,7 +141,8 @@ class CausalLM(PipelineHooks, LightningModule):
         when the run read text with one) in the checkpoint: ``python -m lightning_bfpp.checkpoint CKPT --hf DIR``
         then writes a Hugging Face directory."""
         peft = self.peft_model.peft_config if self.peft_model is not None else None
-        checkpoint[HF_RECORD] = hf_record(self.hf_model.config, peft, self.tokenizer)
+        base = self._weights.directory.resolve() if self._weights is not None else None
+        checkpoint[HF_RECORD] = hf_record(self.hf_model.config, peft, self.tokenizer, base)
 
     def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
         """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does (LoRA

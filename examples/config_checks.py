@@ -166,6 +166,45 @@ def check_precision(cfg: DictConfig) -> None:
                           f"{', '.join(allowed)}.")
 
 
+def check_lora(cfg: DictConfig, family: str) -> None:
+    """model.lora: a Hugging Face model's LoRA adapters (peft installed, settings a LoraConfig takes); without a
+    rank (model.lora.r=null) no other LoRA setting."""
+    from lightning_bfpp.hf.lora import SETTINGS, lora_config
+
+    settings = OmegaConf.to_container(cfg.model.lora, resolve=True)
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(f"model.lora.{unknown[0]} is not a LoRA setting; they are {', '.join(SETTINGS)}.")
+    if settings.get("r") is None:
+        given = [k for k in ("alpha", "target_modules") if settings.get(k) is not None]
+        if given:
+            raise ConfigError(f"model.lora.{given[0]} is set but model.lora.r=null (no adapters): set the rank, "
+                              "e.g. model.lora.r=8.")
+        return
+    if family == "gpt":
+        raise ConfigError("model.lora adapts Hugging Face models: use model=hf_pretrained (or hf_llama_tiny), or set "
+                          "model.lora.r=null.")
+    try:
+        lora_config(settings)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_export_hf(cfg: DictConfig, family: str) -> None:
+    """checkpoint.export_hf: last.ckpt of a Hugging Face model under bfpp, written to a folder that is new."""
+    out = Path(str(cfg.checkpoint.export_hf)).expanduser()
+    if family == "gpt":
+        raise ConfigError("checkpoint.export_hf writes Hugging Face models (model=hf_pretrained, hf_llama_tiny, ...); "
+                          "export the GPT with python -m lightning_bfpp.checkpoint CKPT OUT.pt.")
+    if cfg.trainer.strategy != "bfpp" or not cfg.checkpoint.get("last", True):
+        raise ConfigError("checkpoint.export_hf exports last.ckpt of a bfpp run: set trainer.strategy=bfpp and "
+                          "checkpoint.last=true.")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"checkpoint.export_hf={str(out)!r} exists and is not an empty folder: name a new one.")
+    if not out.parent.is_dir():
+        raise ConfigError(f"checkpoint.export_hf={str(out)!r}: the folder {out.parent} does not exist; create it.")
+
+
 def check_model_and_data(cfg: DictConfig) -> None:
     def get(key: str):
         return OmegaConf.select(cfg, key)
@@ -185,6 +224,10 @@ def check_model_and_data(cfg: DictConfig) -> None:
         except ImportError as err:
             raise ConfigError(f"model.family={family} needs Hugging Face transformers ({err}); install the extra: "
                               "pip install lightning-bfpp[hf], or use model=gpt_tiny.") from None
+    if get("model.lora") is not None:
+        check_lora(cfg, family)
+    if get("checkpoint.export_hf"):
+        check_export_hf(cfg, family)
     text = text_data(cfg)
     if text and get("data.packing") not in PACKINGS:
         raise ConfigError(f"data.packing={get('data.packing')!r} is not one of {', '.join(PACKINGS)}.")

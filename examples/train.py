@@ -3,6 +3,8 @@ on the stdlib byte corpus with any schedule.
 python examples/train.py                                   # defaults: conf/train.yaml
 python examples/train.py model=hf_llama_tiny cluster=cpu_2 # lightning_bfpp.hf.CausalLM (pip install lightning-bfpp[hf])
 python examples/train.py model=hf_pretrained model.path=DIR  # fine-tune a save_pretrained model, read per stage
+python examples/train.py model=hf_pretrained model.path=DIR model.lora.r=8  # LoRA adapters only (peft)
+python examples/train.py model=hf_pretrained model.path=DIR checkpoint.export_hf=OUT  # then a Hugging Face directory
 python examples/train.py schedule=1f1b cluster=cpu_2 logger=csv
 python examples/train.py -m schedule=breadth_first,depth_first
 torchrun --nproc-per-node=4 examples/train.py              # or srun under SLURM
@@ -28,8 +30,8 @@ if __package__:  # `python -m examples.train` (Lightning's launcher relaunches i
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run_dir as rundir
 from command_line import check_command_line
-from config_checks import ConfigError, check_config
-from data import build_datamodule, prepare_text
+from config_checks import ConfigError, check_config, text_data
+from data import build_datamodule, prepare_text, text_settings
 from gpt import GPT, GPTConfig, OptimConfig, flops_per_token
 
 from lightning_bfpp import BFPPStrategy
@@ -37,6 +39,7 @@ from lightning_bfpp.adapter.metrics import PipelineMetrics, run_layout
 from lightning_bfpp.adapter.trace import PipelineTrace
 from lightning_bfpp.checkpoint import StorageNames
 from lightning_bfpp.hf import CausalLM
+from lightning_bfpp.hf.lora import lora_config
 
 log = logging.getLogger(__name__)
 rundir.register_resolvers()  # the run directory's name in conf/train.yaml (examples/run_dir.py)
@@ -94,14 +97,26 @@ def build_model(cfg: DictConfig) -> L.LightningModule:
     optim.betas = tuple(optim.betas)
     if cfg.model.get("family", "gpt") == "gpt":
         return GPT(model_config(cfg), optim)
+    lora = lora_settings(cfg)
     if cfg.model.family == "hf_pretrained":  # built on the meta device; each rank reads its own stages' tensors
-        lm = HFCausalLM.from_pretrained(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
+        lm = HFCausalLM.from_pretrained(cfg.model.path, attn_implementation=cfg.model.attn_implementation, lora=lora)
         lm.optim = optim
     else:
-        lm = HFCausalLM(hf_model(cfg.model), optim)
+        model = hf_model(cfg.model)
+        if lora is not None:  # only the adapters train
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        lm = HFCausalLM(model, optim)
     if cfg.model.activation_checkpointing and cfg.trainer.strategy != "bfpp":
         lm.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return lm
+
+
+def lora_settings(cfg: DictConfig):
+    """The ``peft.LoraConfig`` of `model.lora` (None when model.lora.r is null: every weight trains)."""
+    settings = OmegaConf.to_container(cfg.model.lora, resolve=True) if cfg.model.get("lora") is not None else {}
+    return lora_config(settings) if settings.get("r") is not None else None
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -406,6 +421,8 @@ def checkpoint_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
 def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     L.seed_everything(cfg.data.seed, workers=True)
     model = build_model(cfg)
+    if isinstance(model, CausalLM) and text_data(cfg):  # recorded in checkpoints: checkpoint.export_hf writes it too
+        model.tokenizer = text_settings(cfg).tokenizer
     datamodule = build_datamodule(cfg)  # data.name: local_corpus (bytes) or text (a token cache)
 
     s, bfpp = cfg.schedule, cfg.trainer.strategy == "bfpp"
@@ -455,6 +472,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
     )
     started = datetime.now()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if cfg.checkpoint.get("export_hf") and trainer.is_global_zero:
+        export_hf(run_dir / "checkpoints" / "last.ckpt", Path(cfg.checkpoint.export_hf).expanduser())
     if trainer.is_global_zero:
         summary = metrics.summary(trainer)
         measured, planned = summary["bubble_fraction"], summary["planned_bubble_fraction"]  # planned: schedule.png's
@@ -464,6 +483,19 @@ def train(cfg: DictConfig, run_dir: Path) -> dict | None:
                  f"{run_dir / 'summary.json'}")
         return summary
     return None
+
+
+def export_hf(checkpoint: Path, out: Path) -> None:
+    """`checkpoint` as a Hugging Face directory `out`, by the export command in a process of its own (the training
+    processes' group is gone on the other ranks; the whole model is read there, not beside the run's memory)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "lightning_bfpp.checkpoint", str(checkpoint), "--hf", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"checkpoint.export_hf={out}: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    log.info(f"exported the trained model to {out} (AutoModelForCausalLM.from_pretrained reads it)")
 
 
 def refuse_a_dir_in_use(argv: list[str]) -> None:

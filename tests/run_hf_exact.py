@@ -9,14 +9,17 @@ expert beside its routed ones and latent attention; see hf_model), tie (tied emb
 attn (sdpa|eager), kv_heads (default 1), tp (tensor parallel, the model's own plan), sp (sequence parallel), cp (context
 parallel), pp, loops, m, steps, batch (global), precision (default "64-true": tests/exact_compare.py), ac
 (activation_checkpointing), ignored (prompt and padding targets of -100 in every row), accumulate
-(accumulate_grad_batches), save (checkpoint folder written after fit), pretrained (a save_pretrained directory:
-CausalLM.from_pretrained, built on the meta device), packed (rows packing 2-4 documents, tests/packed_rows.py: token
-batches with document ids; after fit the logits of the first `batch` rows are predicted, "predicted", each data-parallel
-replica r of dp its rows r, r + dp, ...: "replica" (r, dp)), ep (expert_parallel), schedule, router_loss (a
-mixture's: batch|micro_batch, given to BFPPStrategy as given; the tests' reference reads the config's value). Rank R
-of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of
-the parameters split over tensor-parallel ranks], "message_bytes": the largest activation message it sent,
-"expert_bytes": bytes of the experts' weights it holds, "expert_state_bytes": their optimizer state}."""
+(accumulate_grad_batches), lora (LoRA adapters: lora_model), adamw (AdamW, not SGD), save (checkpoint folder written
+after fit), pretrained (a save_pretrained directory: CausalLM.from_pretrained, built on the meta device), packed (rows
+packing 2-4 documents, tests/packed_rows.py: token batches with document ids; after fit the logits of the first
+`batch` rows are predicted, "predicted", each data-parallel replica r of dp its rows r, r + dp, ...: "replica" (r,
+dp)), ep (expert_parallel), schedule, router_loss (a mixture's: batch|micro_batch, given to BFPPStrategy as given; the
+tests' reference reads the config's value). Rank R of config i writes
+OUT_DIR/cfg{i}/rank{R}.pt = {"params": {name: full tensor}, "losses": [...], "tp_split": [names of the parameters split
+over tensor-parallel ranks], "message_bytes": the largest activation message it sent, "expert_bytes": bytes of the
+experts' weights it holds, "expert_state_bytes": their optimizer state, "trained_bytes", "grad_bytes", "state_bytes":
+this rank's bytes of parameters that train, of gradients and of optimizer state, "frozen_in_optimizer": frozen
+parameters the optimizer holds}."""
 
 from __future__ import annotations
 
@@ -91,6 +94,25 @@ def hf_model(family: str, tie: bool | None = None, attn: str = "sdpa", seed: int
     return getattr(transformers, model)(getattr(transformers, config)(**{**extra, **common, **experts_kwargs(family)}))
 
 
+# LoRA adapters (peft) on Llama's attention and MLP projections: column-wise (q, v, gate) and row-wise (o, down) ones
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
+
+
+def lora_model(family: str, **kwargs):
+    """hf_model(family, **kwargs) with LoRA adapters (``LORA``; peft's ``get_peft_model``). PEFT starts B at zero,
+    which leaves A's gradient zero in the first step: B is drawn here (seed 1), so that every adapter weight trains
+    from the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(hf_model(family, **kwargs), LoraConfig(**LORA))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
 def norms_in_the_inputs_type(norm_class: type) -> None:
     """Gemma 3's RMSNorm (transformers' Gemma3RMSNorm) computes in float32 whatever its input's type, so in a float64
     run its weight's gradient is a float32 sum over the tokens; under sequence parallel each rank sums its own tokens,
@@ -155,13 +177,19 @@ class Losses(Callback):
             self.aux_losses.append(float(trainer.callback_metrics["train_aux_loss"]))
 
 
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
 def run(cfg: dict, devices: int, out: Path) -> None:
+    sgd_or_adamw = adamw if cfg.get("adamw") else sgd
     if cfg.get("pretrained"):  # a saved model, built on the meta device; each rank reads its own stages' tensors
         model = CausalLM.from_pretrained(cfg["pretrained"], optimizer=sgd, attn_implementation=cfg.get("attn", "sdpa"),
                                          **experts_kwargs(cfg["family"]))
     else:
-        model = CausalLM(hf_model(cfg["family"], cfg.get("tie"), cfg.get("attn", "sdpa"),
-                                  kv_heads=cfg.get("kv_heads", 1)), optimizer=sgd)
+        build = lora_model if cfg.get("lora") else hf_model
+        model = CausalLM(build(cfg["family"], tie=cfg.get("tie"), attn=cfg.get("attn", "sdpa"),
+                               kv_heads=cfg.get("kv_heads", 1)), optimizer=sgd_or_adamw)
     strategy = BFPPStrategy(pipeline_parallel=cfg.get("pp", 2), loops=cfg.get("loops", 2),
                             micro_batches=cfg.get("m", 2), tensor_parallel=cfg.get("tp", 1),
                             sequence_parallel=cfg.get("sp"), context_parallel=cfg.get("cp", 1),
@@ -190,8 +218,13 @@ def run(cfg: dict, devices: int, out: Path) -> None:
     replica = strategy.distributed_sampler_kwargs  # predict: Lightning's sampler gives replica r rows r, r + dp, ...
     experts = [p for _, m in experts_modules(model) for p in m.parameters(recurse=False)]
     state = trainer.optimizers[0].state
-    torch.save({"params": params, "losses": record.losses, "aux_losses": record.aux_losses, "tp_split": split,
-                "predicted": predicted, "replica": (replica["rank"], replica["num_replicas"]),
+    trained = [p for p in model.parameters() if p.requires_grad]
+    state_tensors = (v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    frozen = sum(not p.requires_grad for g in trainer.optimizers[0].param_groups for p in g["params"])
+    torch.save({"trained_bytes": local_bytes(trained), "grad_bytes": local_bytes(p.grad for p in model.parameters()),
+                "state_bytes": local_bytes(state_tensors), "frozen_in_optimizer": frozen, "params": params,
+                "losses": record.losses, "aux_losses": record.aux_losses, "tp_split": split, "predicted": predicted,
+                "replica": (replica["rank"], replica["num_replicas"]),
                 "message_bytes": strategy.runner.message_bytes, "expert_bytes": local_bytes(experts),
                 "expert_state_bytes": local_bytes(v for p in experts for v in state.get(p, {}).values()
                                                   if isinstance(v, torch.Tensor))},

@@ -98,3 +98,47 @@ def test_hf_model_splits_by_its_own_tensor_parallel_plan_from_the_command_line(t
     assert s["tensor_parallel"] == 2 and s["pipeline_parallel"] == 2 and s["world_size"] == 4 and s["steps"] == 2
     assert s["sequence_parallel"] is sequence_parallel
     assert math.isfinite(s["train_loss"]) and math.isfinite(s["val_loss"]) and 0 < s["train_loss"] < 7
+
+
+@pytest.mark.slow
+def test_a_saved_model_fine_tunes_with_lora_and_exports_a_hugging_face_directory(tmp_path, saved_llama):
+    """model=hf_pretrained model.lora.r=4 checkpoint.export_hf=DIR: only the adapters train (the saved weights are
+    read per stage, the adapters initialized as PEFT does), and DIR is a plain Llama, the adapters merged into the
+    saved weights they adapted (q and v: PEFT's choice for Llama)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "exported"
+    run_cli(["model=hf_pretrained", f"model.path={saved_llama}", "model.block_size=32", "model.lora.r=4", *CHEAP,
+             "checkpoint.last=true", f"checkpoint.export_hf={out}", "optim.lr=0.05", "optim.warmup_steps=0",
+             f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["model"] == "hf_pretrained" and s["steps"] == 2 and math.isfinite(s["train_loss"])
+    saved, exported = load_file(saved_llama / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(exported) == set(saved)
+    changed = {k for k in saved if not torch.equal(saved[k], exported[k])}
+    assert changed == {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"}
+
+
+def test_lora_and_export_settings_are_checked_before_launch(saved_llama, tmp_path):
+    import run_dir
+    from config_checks import ConfigError, check_config
+
+    run_dir.register_resolvers()
+
+    def compose_with(*overrides):
+        return compose_app(["model=hf_pretrained", f"model.path={saved_llama}", "model.block_size=32", *overrides])
+
+    with pytest.raises(ConfigError, match=r"model.lora.r=0: the adapters' rank, a positive integer"):
+        check_config(compose_with("model.lora.r=0"))
+    with pytest.raises(ConfigError, match=r"model.lora.rank is not a LoRA setting"):
+        check_config(compose_with("+model.lora.rank=4"))
+    with pytest.raises(ConfigError, match=r"model.lora adapts Hugging Face models"):
+        check_config(compose_app(["+model.lora.r=4"]))  # the GPT (model=gpt_tiny) has no model.lora
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "f").write_text("")
+    with pytest.raises(ConfigError, match=r"checkpoint.export_hf=.* exists and is not an empty folder"):
+        check_config(compose_with(f"checkpoint.export_hf={tmp_path / 'used'}"))
+    with pytest.raises(ConfigError, match=r"set trainer.strategy=bfpp and checkpoint.last=true"):
+        check_config(compose_with("checkpoint.last=false", f"checkpoint.export_hf={tmp_path}/x"))
+    check_config(compose_with("model.lora.r=4", f"checkpoint.export_hf={tmp_path / 'new'}"))

@@ -2,8 +2,8 @@
 
 The parts, each a folder of ``lightning_bfpp/`` whose ``__init__`` says what it may import; each may import only
 the parts listed before it: schedule (pure Python) <- sim (pure Python) <- contract <- _private <- layout <- runtime
-<- adapter; checkpoint and job over _private; hf over contract; data over contract and job; the strategy and the
-package face over everything.
+<- adapter; checkpoint and job over _private; hf over contract, layout and checkpoint; data over contract and job; the
+strategy and the package face over everything.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ PARTS = {
     "adapter": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
     "checkpoint": ("_private",),
     "job": ("_private", "checkpoint"),
-    "hf": ("contract", "layout"),
+    "hf": ("contract", "layout", "checkpoint"),
     "data": ("contract", "job"),
 }
 # pure parts: besides the standard library and the parts above, only these third-party packages

@@ -3,7 +3,8 @@ written with any (pp, loops, dp, tp) loads into any other layout: ``saving`` wri
 ``background``), ``loading`` reads them (and plain files) and checks a path before launch, ``model_check`` compares a
 checkpoint's names and shapes with the model's, ``state`` is the per-rank optimizer and RNG state, ``plain`` torch's
 optimizer state by position; a checksum manifest (``manifest``); loading that never runs code from the files
-(``safety``); export to one plain file (``export``, ``python -m lightning_bfpp.checkpoint``). The storage under them
+(``safety``); export to one plain file (``export``) or a Hugging Face directory (``hf_dir``), the command
+``python -m lightning_bfpp.checkpoint`` (``cli``). The storage under them
 (``storage``: its errors kept, free space, writable folders), what a failure says (``errors``), and the partial
 folders of interrupted saves (``partial``).
 
@@ -11,8 +12,9 @@ May import: ``_private``.
 """
 
 from .background import BackgroundSaves
+from .cli import main
 from .errors import StorageError, StorageNames
-from .export import export, main
+from .export import export
 from .loading import check_path, is_sharded, load, read_meta
 from .manifest import MANIFEST, META_FILE, newest_to_resume
 from .partial import clean_partial_saves

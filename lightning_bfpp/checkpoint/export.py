@@ -1,7 +1,6 @@
 """A bfpp checkpoint folder consolidated into one plain file (``python -m lightning_bfpp.checkpoint``)."""
 from __future__ import annotations
 
-import argparse
 import os
 import uuid
 from pathlib import Path
@@ -12,23 +11,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .loading import dcp_load
 from .manifest import check_folder, newest_note, verify_checksums
 from .plain import plain_state
-from .safety import TRUST_ENV, CheckpointError, trusted
+from .safety import CheckpointError, trusted
 
 
-def export(checkpoint_dir: Path, out: Path, trust: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
-    """Consolidate a bfpp checkpoint folder into one file: {"state_dict": {name: full tensor}, plus the
-    Lightning metadata (epoch, global_step, hyper_parameters)} — `Model.load_from_checkpoint(out)` and
-    `model.load_state_dict(torch.load(out)["state_dict"], strict=True)` work with no process group.
-    `full`: also the optimizer state (torch's, by position) and Lightning's loops, callbacks and LR schedulers — a
-    plain Lightning checkpoint that `Trainer(strategy="auto")` and DDP resume with `ckpt_path=out`.
-    The folder is checked and its checksums verified first; `out` is written only on success."""
-    checkpoint_dir, out, trust = Path(checkpoint_dir), Path(out), trusted(trust)
+def consolidate(checkpoint_dir: Path, trust: bool = False, full: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the whole state dict {name: full tensor}, the Lightning metadata) of a bfpp checkpoint folder, read in this
+    process after the folder is checked and its checksums verified. `full`: the metadata holds the optimizer state
+    (torch's, by position), loops, callbacks and LR schedulers too; else only epoch, global_step, hyper_parameters and
+    what the module saved itself."""
+    checkpoint_dir, trust = Path(checkpoint_dir), trusted(trust)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"{checkpoint_dir} is not a bfpp checkpoint folder.{newest_note(checkpoint_dir)}")
-    if out.is_dir():
-        raise CheckpointError(f"out={str(out)!r} is a folder: give the file to write, e.g. {out / 'model.ckpt'}.")
-    if not out.parent.is_dir():
-        raise CheckpointError(f"out={str(out)!r}: the folder {out.parent} does not exist; create it first.")
     metadata, meta, manifest = check_folder(checkpoint_dir, trust)
     verify_checksums(checkpoint_dir, manifest)
     prefix = "state_dict."
@@ -45,6 +38,22 @@ def export(checkpoint_dir: Path, out: Path, trust: bool = False, full: bool = Fa
         extra = {**meta, "optimizer_states": [plain_state(box[f"optimizer_{i}"], g) for i, g in enumerate(groups)]}
     else:
         extra = {k: v for k, v in meta.items() if k not in ("loops", "callbacks", "optimizer_states", "lr_schedulers")}
+    return state_dict, extra
+
+
+def export(checkpoint_dir: Path, out: Path, trust: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
+    """Consolidate a bfpp checkpoint folder into one file: {"state_dict": {name: full tensor}, plus the
+    Lightning metadata (epoch, global_step, hyper_parameters)} — `Model.load_from_checkpoint(out)` and
+    `model.load_state_dict(torch.load(out)["state_dict"], strict=True)` work with no process group.
+    `full`: also the optimizer state (torch's, by position) and Lightning's loops, callbacks and LR schedulers — a
+    plain Lightning checkpoint that `Trainer(strategy="auto")` and DDP resume with `ckpt_path=out`.
+    The folder is checked and its checksums verified first; `out` is written only on success."""
+    out = Path(out)
+    if out.is_dir():
+        raise CheckpointError(f"out={str(out)!r} is a folder: give the file to write, e.g. {out / 'model.ckpt'}.")
+    if not out.parent.is_dir():
+        raise CheckpointError(f"out={str(out)!r}: the folder {out.parent} does not exist; create it first.")
+    state_dict, extra = consolidate(checkpoint_dir, trust, full)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         torch.save({**extra, "state_dict": state_dict}, tmp)
@@ -67,29 +76,3 @@ def _optimizer_request(metadata, meta: dict, folder: Path) -> dict[str, dict]:
             request[head][rest] = torch.empty(tuple(value.size), dtype=value.properties.dtype) \
                 if isinstance(value, TensorStorageMetadata) else None
     return request
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_bfpp.checkpoint CHECKPOINT OUT [--full] [--trust]``: `export` as a command. CHECKPOINT is a
-    folder written under ``strategy="bfpp"``, OUT the file to write; ``--full`` adds the optimizer state, loops,
-    callbacks and LR schedulers; ``--trust`` unpickles without restrictions. Exits with ``error: ...`` (status 1)
-    when the folder is not a complete, safe checkpoint."""
-    p = argparse.ArgumentParser(
-        prog="python -m lightning_bfpp.checkpoint",
-        description="Export a bfpp (sharded) checkpoint folder to one plain state-dict file.",
-    )
-    p.add_argument("checkpoint", type=Path, help="checkpoint folder written by strategy='bfpp'")
-    p.add_argument("out", type=Path, help="output file, e.g. model.ckpt")
-    p.add_argument("--full", action="store_true",
-                   help="also the optimizer state, loops, callbacks and LR schedulers: a plain Lightning checkpoint "
-                        "that strategy='auto' and DDP resume")
-    p.add_argument("--trust", action="store_true",
-                   help="unpickle without restrictions (only for a checkpoint from a source you trust; or "
-                        f"{TRUST_ENV}=1)")
-    a = p.parse_args(argv)
-    try:
-        state = export(a.checkpoint, a.out, trust=a.trust, full=a.full)
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
-    n = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
-    print(f"wrote {a.out}: {len(state)} tensors, {n:,} parameters")

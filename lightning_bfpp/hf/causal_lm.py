@@ -17,10 +17,12 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from ..checkpoint.hf_dir import HF_RECORD, hf_record
 from ..contract.hooks import PipelineHooks, mean_loss
 from ..contract.router_loss import load_balancing_loss, router_loss, step_aux_loss
 from ..contract.step_totals import active_step_totals
 from ..layout.materialize import has_meta_tensors, seeded_init
+from . import lora
 from .checks import check_layers_reproduce, check_meta_buffers, check_router_loss
 from .context_parallel import splits_sequence
 from .layers import causal_lm_layers
@@ -68,19 +70,26 @@ class CausalLM(PipelineHooks, LightningModule):
         pretrained: str | os.PathLike | None = None,
     ):
         super().__init__()
+        wrapper, model = model, lora.unwrap(model)  # a PeftModel: its modules adopted, the model it wraps cut
         on_meta = any(p.is_meta for p in model.parameters())
         if pretrained is not None and not on_meta:
             raise ValueError(f"CausalLM(pretrained={str(pretrained)!r}) fills a model built on the meta device; this "
                              f"{type(model).__name__} holds weights already: use CausalLM.from_pretrained(path).")
         # the stored tensors, read per module when bfpp (or configure_model) materializes it
-        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model), model)
+        peft = wrapper is not model
+        self.__dict__["_weights"] = (SafetensorsWeights(Path(pretrained), stored_names(model), model,
+                                                        plain=lora.plain_name if peft else None)
                                      if pretrained is not None else None)
-        own = [n for n, _ in model.named_parameters(recurse=False)] + [n for n, _ in model.named_buffers(recurse=False)]
+        self.__dict__["peft_model"] = wrapper if peft else None  # its peft_config, save_pretrained of the adapters
+        self.__dict__["_adapter_parts"] = lora.adapter_parts(model) if peft else {}
+        self.__dict__["_lora_layers"] = {id(layer) for layer in self._adapter_parts.values()}
+        own = [n for n, _ in wrapper.named_parameters(recurse=False)]
+        own += [n for n, _ in wrapper.named_buffers(recurse=False)]
         if own:
-            raise ValueError(f"{type(model).__name__} holds {own[0]} directly; CausalLM adopts its submodules only.")
-        for name, child in model.named_children():
+            raise ValueError(f"{type(wrapper).__name__} holds {own[0]} directly; CausalLM adopts its submodules only.")
+        for name, child in wrapper.named_children():
             if hasattr(self, name):
-                raise ValueError(f"{type(model).__name__}.{name} clashes with LightningModule.{name}: wrap the model "
+                raise ValueError(f"{type(wrapper).__name__}.{name} clashes with LightningModule.{name}: wrap the model "
                                  "yourself.")
             self.add_module(name, child)
         self.__dict__["hf_model"] = model  # unregistered: its modules are registered above, under their own names
@@ -92,6 +101,7 @@ class CausalLM(PipelineHooks, LightningModule):
         if self._router_coef is not None:
             self.pipeline_step_logs = self._log_router_loss
         self._optimizer = optimizer
+        self.tokenizer: str | None = None  # the run's tokenizer (a directory or name), recorded in checkpoints
         check_meta_buffers(model)
         if check and on_meta:
             rank_zero_warn(f"CausalLM: {type(model).__name__} is on the meta device: its layers are not checked "
@@ -104,7 +114,7 @@ class CausalLM(PipelineHooks, LightningModule):
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike,
                         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
-                        **hf_kwargs: Any) -> CausalLM:
+                        lora: Any = None, **hf_kwargs: Any) -> CausalLM:
         """The ``*ForCausalLM`` saved in `name_or_path` (a local directory; a hub name where the network allows),
         built on the meta device: no process holds the whole model. Under bfpp each rank reads only its own stages'
         tensors from the safetensors files; under other strategies ``configure_model`` reads them all. `hf_kwargs`:
@@ -114,13 +124,33 @@ class CausalLM(PipelineHooks, LightningModule):
         weights under ``precision="bf16-mixed"``. Stored keys are converted as the installed transformers converts them
         at load (renamed keys, experts stored one per key and fused in the model); a parameter the files do not store
         (under its name, a tied or base-model name, or keys converted into it) is an error.
-        The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory)."""
+        The layers are not checked against the model's forward (``CausalLM(model)`` checks a model in memory).
+        `lora`: a ``peft.LoraConfig``: LoRA adapters on the saved model (``get_peft_model``), initialized as PEFT
+        initializes them; only they train."""
         hub = {k: hf_kwargs.pop(k) for k in HUB_KWARGS if k in hf_kwargs}
         directory = local_directory(name_or_path, hub, bool(hf_kwargs.get("trust_remote_code")))
-        return cls(build_on_meta(directory, hf_kwargs), optimizer=optimizer, check=False, pretrained=directory)
+        model = build_on_meta(directory, hf_kwargs)
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora)
+        return cls(model, optimizer=optimizer, check=False, pretrained=directory)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the model's config, its LoRA configs and the run's tokenizer (``tokenizer``, a directory or name,
+        when the run read text with one) in the checkpoint: ``python -m lightning_bfpp.checkpoint CKPT --hf DIR``
+        then writes a Hugging Face directory."""
+        peft = self.peft_model.peft_config if self.peft_model is not None else None
+        base = self._weights.directory.resolve() if self._weights is not None else None
+        checkpoint[HF_RECORD] = hf_record(self.hf_model.config, peft, self.tokenizer, base)
 
     def pipeline_init_weights(self, name: str, module: nn.Module) -> None:
-        """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does."""
+        """Read `module`'s tensors from the pretrained files, or initialize them as the Hugging Face class does (LoRA
+        adapters as PEFT does)."""
+        if id(module) in self._adapter_parts:
+            return  # initialized with its LoRA layer, next
+        if id(module) in self._lora_layers:
+            lora.init_adapters(module, self.peft_model.peft_config)
         prefix, weights = f"{name}." if name else "", self._weights
         if weights is None or not weights.stores_all(prefix, module):
             self.hf_model._init_weights(module)
@@ -202,6 +232,8 @@ class CausalLM(PipelineHooks, LightningModule):
         return self(self.pipeline_inputs(batch)[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        """The optimizer of the parameters that train (with LoRA: the adapters; the frozen weights take no state)."""
+        params = [p for p in self.parameters() if p.requires_grad]
         if self._optimizer is not None:
-            return self._optimizer(self.parameters())
-        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+            return self._optimizer(params)
+        return torch.optim.AdamW(params, lr=3e-4)

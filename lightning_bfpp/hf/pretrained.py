@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -110,9 +110,12 @@ class SafetensorsWeights:
     ``model.safetensors.index.json``), read by name on demand: under the model's names (or a tied or base-model name,
     `aliases`), else made from the stored keys transformers converts into them at load (`model`'s conversions)."""
 
-    def __init__(self, directory: Path, aliases: dict[str, list[str]], model: nn.Module | None = None):
+    def __init__(self, directory: Path, aliases: dict[str, list[str]], model: nn.Module | None = None,
+                 plain: Callable[[str], str] | None = None):
         from safetensors import safe_open
 
+        self.plain = plain or (lambda name: name)  # a name as the directory's model names it (LoRA: ``hf.lora``)
+        aliases = {self.plain(k): [self.plain(o) for o in v] for k, v in aliases.items()}
         self.directory, self.aliases, self._open = directory, aliases, safe_open
         if (directory / INDEX).is_file():
             self.file_of = dict(json.loads((directory / INDEX).read_text())["weight_map"])
@@ -125,15 +128,16 @@ class SafetensorsWeights:
                 f"CausalLM.from_pretrained: {directory} has no {SINGLE} or {INDEX} (it has {found}); bfpp reads "
                 "safetensors only: save the model with save_pretrained(dir) (safe_serialization is the default)."
             )
-        self.converted = StoredKeys(model, self.file_of) if model is not None else None
+        self.converted = StoredKeys(model, self.file_of, self.plain) if model is not None else None
         self.missing: list[str] = []
 
     def key(self, name: str) -> str | None:
         """The stored key of parameter or buffer `name` (itself, or a name tied to it), or None."""
+        name = self.plain(name)
         return next((k for k in (name, *self.aliases.get(name, ())) if k in self.file_of), None)
 
     def stores(self, name: str) -> bool:
-        return self.key(name) is not None or self.converted is not None and self.converted.makes(name)
+        return self.key(name) is not None or self.converted is not None and self.converted.makes(self.plain(name))
 
     def stores_all(self, prefix: str, module: nn.Module) -> bool:
         return all(self.stores(prefix + n) for n in own_state(module))
@@ -157,7 +161,8 @@ class SafetensorsWeights:
                 if key is not None:
                     value, where = read(key), f"{key} in {self.directory / self.file_of[key]}"
                 elif self.stores(name):
-                    value, where = self.converted.make(name, read), f"{name} made from {self._sources(name)}"
+                    made = self.plain(name)
+                    value, where = self.converted.make(made, read), f"{made} made from {self._sources(made)}"
                 elif n in params:
                     some = ", ".join(list(self.file_of)[:3])
                     raise ValueError(

@@ -26,7 +26,7 @@ class StoredKeys:
     """The model's parameter and buffer names not stored under their own names, each with the stored keys and the
     conversion transformers applies to make it. Empty with transformers 4 (no load-time conversions)."""
 
-    def __init__(self, model: nn.Module, stored: Iterable[str]):
+    def __init__(self, model: nn.Module, stored: Iterable[str], plain: Callable[[str], str] | None = None):
         self.model = model
         self.sources: dict[str, _Source] = {}
         self.made_with: dict[str, str] = {}  # a second target of a one-to-many converter -> its first target
@@ -36,7 +36,8 @@ class StoredKeys:
             from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
         except ImportError:  # transformers 4: checkpoints are stored under the model's names
             return
-        names = dict(model.state_dict(keep_vars=True))
+        # `plain`: the model's names as its checkpoints store them (a LoRA-adapted model: ``hf.lora.plain_name``)
+        names = {(plain or str)(k): v for k, v in model.state_dict(keep_vars=True).items()}
         stored = [k for k in stored if k not in names]
         if not stored:
             return

@@ -28,11 +28,13 @@ from ..layout.tp_styles import (
     elementwise,
     latent_projection,
     local_parameters,
+    replicated_parameters,
     sharded_norm,
     summed_grad_parameters,
     whole_block,
 )
 from .layers import decoder_stack
+from .lora import LORA_AFTER_SUM, LORA_KINDS, LORA_WHOLE_INPUT, lora_kinds
 from .side_inputs import causal_lm_side_inputs
 from .tp_probe import SHARDED, partial_weights
 
@@ -41,7 +43,8 @@ ROWWISE = ("rowwise", "unit_rowwise", "rowwise_split_input", "rowwise_rep")  # m
 KEPT_WHOLE = ("replicate", "moe_tp_experts", "packed_colwise", "packed_rowwise")  # experts: see layout.experts
 STYLES = (*COLWISE, *ROWWISE, "embedding_rowwise", "embedding_colwise", "replicated_with_grad_allreduce",
           "mla_kv_a_proj", "local_params", *KEPT_WHOLE)
-HANDLED = (*COLWISE, *ROWWISE, "embedding_rowwise", "embedding_colwise", "local_params")  # a block's split weights
+# a block's split weights (and LoRA adapters, split or computed with their projection: hf.lora)
+HANDLED = (*COLWISE, *ROWWISE, "embedding_rowwise", "embedding_colwise", "local_params", *LORA_KINDS)
 
 
 def check_heads(model: nn.Module, tensor_parallel: int) -> None:
@@ -85,6 +88,10 @@ def _torch_style(style: str, module: nn.Module, sequence_shards: bool, params: d
         return latent_projection(config.qk_rope_head_dim)  # the rotary key, shared by every head
     if style == "local_params":
         return local_parameters({p: Shard(max(getattr(module, p).dim() - 2, 0)) for p in params})
+    if style == LORA_WHOLE_INPUT:
+        return replicated_parameters()
+    if style == LORA_AFTER_SUM and sequence_shards:
+        return summed_grad_parameters([n for n, _ in module.named_parameters(recurse=False)])
     return None
 
 
@@ -111,6 +118,8 @@ class _Plan:
                 for p_name, _ in sub.named_parameters(recurse=False):
                     if fnmatch(f"{full}.{p_name}", pattern):
                         self.params.setdefault(sub_name, {})[p_name] = self._known(style, f"{full}.{p_name}")
+        # LoRA-adapted projections: the style moves onto the base layer and the adapters (hf.lora)
+        self.kinds, self.lora_of = lora_kinds(layer, self.kinds, COLWISE, ROWWISE) if self.kinds else ({}, {})
         for sub_name, own in self.params.items():
             if self.kinds.get(sub_name) != "local_params":
                 p_name, style = next(iter(own.items()))
@@ -129,7 +138,7 @@ class _Plan:
     def _follow_whole_weights(self) -> None:
         """Find the weights the plan keeps whole inside a block of heads split by columns that compute with this
         rank's share (``tp_probe``): their gradients are summed over tp; one used both ways is refused."""
-        readers = sorted({s.rpartition(".")[0] for s, k in self.kinds.items() if k in SHARDED})
+        readers = sorted({self.block_of(s) for s, k in self.kinds.items() if k in SHARDED})
         handled = {f"{s}.{p}" if s else p for s in self.kinds if self._split(s) or self.kinds[s] == "mla_kv_a_proj"
                    for p, _ in self.layer.get_submodule(s).named_parameters(recurse=False)
                    if self.kinds[s] != "local_params" or p in self.params.get(s, {})}
@@ -156,6 +165,10 @@ class _Plan:
         for name in sorted(partial):
             owner, _, own = name.rpartition(".")
             self.summed.setdefault(owner, []).append(own)
+
+    def block_of(self, sub: str) -> str:
+        """The block holding projection `sub` (a LoRA-adapted projection's parts: the projection's block)."""
+        return self.lora_of.get(sub, sub).rpartition(".")[0]
 
     def _probe(self, values: dict[str, torch.Tensor], device: torch.device) -> None:
         """One call of the layer with `values` for its weights and buffers, on a 4-token sequence on `device` with
@@ -221,7 +234,7 @@ class _Plan:
         """Whether the norm's block splits its projections by heads (a sibling column-wise projection whose output
         stays split), so that the norm sees this rank's heads."""
         parent = norm.rpartition(".")[0]
-        return any(s.rpartition(".")[0] == parent and k in ("colwise", "unit_colwise") for s, k in self.kinds.items())
+        return any(self.block_of(s) == parent and k in ("colwise", "unit_colwise") for s, k in self.kinds.items())
 
 
 def _moved(value: Any, device: torch.device) -> Any:
@@ -253,7 +266,7 @@ def hf_layer_plan(model: nn.Module, layer: nn.Module, tensor_parallel: int,
         return _sequence_parallel(plan)
     styles = plan.styles(set())
     if plan.kind == "decoder" and styles:  # a split block hands its input to its projections as one replicated tensor
-        readers = {s.rpartition(".")[0] for s, k in plan.kinds.items() if k in COLWISE}
+        readers = {plan.block_of(s) for s, k in plan.kinds.items() if k in COLWISE}
         styles.update({r: combined(styles.get(r), shared_input()) for r in readers if r and not plan.whole(r)})
     return styles or None
 

@@ -225,11 +225,16 @@ def apply_plans(plans: Plans, local_modules: Iterable[nn.Module], tp_mesh: Devic
     done = []
     for name, layer, plan in plans.values():
         if any(id(m) in local for m in layer.modules()):
+            # torch's styles make new Parameters (requires_grad=True): a frozen weight (LoRA's base) stays frozen
+            frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
             submodules = {k: v for k, v in plan.items() if k}
             if submodules:
                 parallelize_module(layer, tp_mesh, submodules)
             if "" in plan:  # the layer itself (torch's plan keys name submodules only)
                 parallelize_module(layer, tp_mesh, plan[""])
+            for n, p in layer.named_parameters():
+                if n in frozen:
+                    p.requires_grad_(False)
             done.append(name)
     return done
 

@@ -55,6 +55,17 @@ def _replicate_params(module: nn.Module, mesh: DeviceMesh, names: list[str] | No
                                                          requires_grad=p.requires_grad))
 
 
+def replicated_parameters():
+    """A ParallelStyle for a module kept whole that reads a replicated DTensor and feeds column-wise split modules (a
+    LoRA adapter's A before a split B): its parameters become replicated DTensors, so it computes with DTensors, and
+    the gradients, each rank's from its own outputs, are summed over tp by DTensor."""
+    def apply(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        _replicate_params(module, mesh)
+        return module
+
+    return _style(apply, "ReplicatedParameters")
+
+
 def sharded_norm():
     """A ParallelStyle for a norm (weights whole on every rank) whose input is this rank's share of a column-wise split
     projection. A norm over one head (its weight as wide as the input's last dimension: q/k norms) normalizes this

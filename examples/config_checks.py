@@ -107,6 +107,8 @@ RUN_RULES = [
     ("data.num_workers", lambda v: is_count(v, 0), "must be an integer >= 0", "0: load in the training process"),
     ("schedule.cross_step_overlap", lambda v: isinstance(v, bool), "must be true or false",
      "true: the next step's first all-gathers start right after the optimizer step"),
+    ("schedule.shard_unit", lambda v: v in ("stage", "layer"), "must be stage or layer",
+     "layer: each layer its own FSDP unit, computing as soon as its weights arrive"),
     ("schedule.router_loss", lambda v: v in (None, "batch", "micro_batch"), "must be batch, micro_batch or null",
      "null: batch where the schedule runs every forward first (gpipe, breadth_first with groups 1), else micro_batch"),
     ("schedule.cuda_graphs", lambda v: isinstance(v, bool), "must be true or false",

@@ -39,6 +39,7 @@ from .job.launcher import CheckingLauncher
 from .job.preempt import SaveOnSignal, check_on_signal
 from .job.resume import resume_training_loader
 from .layout.auto import AutoLayout
+from .layout.fsdp import check_shard_unit
 from .layout.materialize import has_meta_tensors
 from .layout.mesh import build_expert_mesh, build_mesh, forget_groups, parameter_mesh
 from .layout.plan import LayoutPlan
@@ -76,6 +77,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         groups: breadth_first only: sequential accumulation groups of micro-batches (default 1).
         sharding: "full" (FSDP2 over data parallel; default) or "none" (replicated, gradients all-reduced).
         reshard_after_forward: free each stage's gathered weights between its forward and backward (default False).
+        shard_unit: "stage" (default: each stage one FSDP unit, one all-gather per stage pass) or "layer" (each layer
+            its own unit, gathered in order: a stage's first layer computes while the next ones' weights arrive).
         stage_layers: layers per stage; "auto": balanced by each layer's time measured at setup; None (default):
             balanced by parameter count.
         activation_checkpointing: recompute every layer of every local stage in backward.
@@ -121,8 +124,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         sharding: Literal["full", "none"] | None = None, stage_layers: Sequence[int] | Literal["auto"] | None = None,
         router_loss: Literal["batch", "micro_batch"] | None = None,
         # performance: what each step keeps, recomputes, compiles and overlaps
-        reshard_after_forward: bool | None = None, activation_checkpointing: bool = False,
-        compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
+        reshard_after_forward: bool | None = None, shard_unit: Literal["stage", "layer"] = "stage",
+        activation_checkpointing: bool = False, compile: bool = False,  # noqa: A002  (public argument name: BFPPStrategy(compile=True))
         cross_step_overlap: bool = False, cuda_graphs: bool = False,
         # the job: failures, waits, signals and checkpoints
         nonfinite_loss: Literal["stop", "skip"] = "stop", max_consecutive_skips: int = 5,
@@ -156,6 +159,8 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         check_on_signal(on_signal, signal_grace_s)
         self.on_signal, self.signal_grace_s, self.signal_checkpoint = on_signal, signal_grace_s, signal_checkpoint
         self.async_save, self.cross_step_overlap = bool(async_save), bool(cross_step_overlap)
+        check_shard_unit(shard_unit, sharding)
+        self.shard_unit = shard_unit
         self._saves = ckpt.BackgroundSaves()  # async_save: the save under way
         self.storage = ckpt.Storage()  # its saves' sizes; .names: how storage errors spell the settings (an app's keys)
 
@@ -322,7 +327,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         experts = build_expert_mesh(self.dims, self.device_mesh, self.root_device.type,
                                     process_group_timeout(self)) if self.expert_parallel > 1 else None
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
-                                                 self.activation_checkpointing, self.compile, experts)
+                                                 self.activation_checkpointing, self.compile, experts, self.shard_unit)
         return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
                                       module.pipeline_loss, self.dims, self.compile, self.cuda_graphs,
                                       say=rank_zero_info, router_loss=self.plan.router_loss_for())

@@ -19,7 +19,8 @@ trainer.init_module(empty_init=True); "configure_model": LateStackNet, built the
 (about 40 % of the targets ignored, pipeline_loss returning (loss_sum, num_items)), disk_quota (save_dir holds at most
 that many bytes of checkpoint files, like a small disk: tests/full_disk.py), timeline_trace (PipelineTrace of the last
 step into OUT_DIR/cfg<i>/traces; its files in the record's "traces" on rank 0), cross_step (cross_step_overlap; the
-record's "prefetches": the steps whose first gathers started early).
+record's "prefetches": the steps whose first gathers started early), shard_unit ("layer": each layer its own FSDP
+unit; the trace's events are then (collective, stage, unit) with units in the stage's module order).
 
 Every run also records "dtypes": p2p receive buffers per (mode, stage), FSDP all-gather / reduce-scatter tensors,
 gradients. Rank R of config i writes OUT_DIR/cfg{i}/rank{R}.pt = {"params": {global name: full tensor},
@@ -59,6 +60,8 @@ class Record(Callback):
         self.grad_dtypes: dict[str, str] = {}
         self.trace = trace
         self.events: list[tuple[str, int]] = []
+        self.units: dict[int, int] = {}  # FSDP units with parameters, per local stage (trace)
+        self.arriving: list[tuple[int, int]] = []  # (stage, its units not waited for yet) at its first layer's forward
         self._on = False
 
     def on_fit_start(self, trainer, pl_module):
@@ -67,22 +70,38 @@ class Record(Callback):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
 
-        stage_of = {}
+        from torch.distributed.fsdp import FSDPModule
+
+        stage_of = {}  # an FSDP parameter -> (its stage, its unit's position among the stage's units)
         for s, mod in trainer.strategy.runner.modules.items():
-            for fp in fully_shard.state(mod)._fsdp_param_group.fsdp_params:
-                stage_of[id(fp)] = s
+            units = [m for m in mod.modules() if isinstance(m, FSDPModule) and fully_shard.state(m)._fsdp_param_group]
+            self.units[s] = len(units)
+            if self.cfg.get("shard_unit") == "layer":  # at its first layer's forward: the stage's units still gathering
+                units[0].register_forward_pre_hook(self._arriving(s, [fully_shard.state(u)._fsdp_param_group
+                                                                      for u in units]))
+            for u, unit in enumerate(units):
+                for fp in fully_shard.state(unit)._fsdp_param_group.fsdp_params:
+                    stage_of[id(fp)] = (s, u)
         record = self
 
         def wrap(fn, kind):
             def inner(fsdp_params, *args, **kwargs):
                 if record._on:
-                    record.events.append((kind, stage_of[id(fsdp_params[0])]))
+                    stage, unit = stage_of[id(fsdp_params[0])]
+                    record.events.append((kind, stage) + ((unit,) if record.cfg.get("shard_unit") == "layer" else ()))
                 return fn(fsdp_params, *args, **kwargs)
 
             return inner
 
         fpg.foreach_all_gather = wrap(fpg.foreach_all_gather, "UNSHARD")
         fpg.foreach_reduce = wrap(fpg.foreach_reduce, "REDUCE_GRAD")
+
+    def _arriving(self, stage: int, groups: list):
+        def hook(*_) -> None:
+            if self._on:
+                self.arriving.append((stage, sum(g._all_gather_result is not None for g in groups[1:])))
+
+        return hook
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._on = batch_idx == 1
@@ -170,6 +189,7 @@ def run(cfg: dict, devices: int, out: Path) -> None:
         measure_every_n_steps=1,  # step_stats of every step, as the memory tests were calibrated (steps are few)
         on_signal=cfg.get("on_signal", "save"), signal_grace_s=cfg.get("grace"),
         async_save=cfg.get("async_save", False), cross_step_overlap=cfg.get("cross_step", False),
+        shard_unit=cfg.get("shard_unit", "stage"),
     )
     record = Record(cfg.get("trace", False), cfg.get("fail_rank"), cfg)
     callbacks = [record]
@@ -226,7 +246,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
          "prefetches": strategy.runner.prefetches,
          "dtypes": _dtypes(strategy, record.grad_dtypes),
          **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__,
-         "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)]},
+         "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)],
+         "units": record.units, "arriving": record.arriving, "stage_layers": {s: len(m.layer_modules()) for s, m in strategy.runner.modules.items()}},
         out / f"rank{trainer.global_rank}.pt",
     )
 

@@ -53,6 +53,15 @@ WORLD4 = [
     # cross-step overlap: the next step's first all-gathers start right after the optimizer step (FSDP over dp=2), a
     # validation in between (val_check_interval=2) and clipping
     {"pp": 2, "loops": 2, "m": 2, "cross_step": True, "eval": True, "clip": 0.05},
+    # each layer its own FSDP unit (shard_unit="layer") under every schedule, with cross-step overlap, tied copies,
+    # resharding after forward, groups with accumulation; its FSDP collectives traced per unit
+    {"pp": 2, "loops": 2, "m": 2, "shard_unit": "layer", "cross_step": True, "tied": True, "clip": 0.05},
+    {"pp": 2, "loops": 2, "m": 4, "shard_unit": "layer", "groups": 2, "accumulate": 2, "trace": True},
+    {"pp": 2, "loops": 2, "m": 4, "shard_unit": "layer", "schedule": "depth_first"},
+    {"pp": 2, "loops": 1, "m": 4, "shard_unit": "layer", "schedule": "1f1b", "reshard": True, "trace": True},
+    {"pp": 2, "loops": 1, "m": 2, "shard_unit": "layer", "schedule": "gpipe", "eval": True},
+    {"pp": 2, "loops": 2, "m": 2, "shard_unit": "layer", "schedule": "breadth_first_zb", "counted": True,
+     "trace": True},
 ]
 WORLD2 = [
     {"pp": 2, "loops": 1, "m": 2},
@@ -275,12 +284,31 @@ def test_runtime_issues_fsdp_collectives_in_schedule_order(runs, index):
     cfg, ranks = WORLD4[index], runs(4)[index]
     for r in ranks:
         expected = [(op, s) for op, s in r["schedule_fsdp"] if op in ("UNSHARD", "REDUCE_GRAD")]
-        assert r["fsdp_trace"] == expected
+        if cfg.get("shard_unit") == "layer":  # each action: every unit of the stage, gathered in the layers' order
+            assert all(r["units"][s] == r["stage_layers"][s] > 1 for s in r["units"]), (r["units"], r["stage_layers"])
+            events = r["fsdp_trace"]
+            for op, s in expected:
+                done, events = events[:r["units"][s]], events[r["units"][s]:]
+                units = [u for _, _, u in done]
+                assert {(o, st) for o, st, _ in done} == {(op, s)}, (op, s, done)
+                assert (units if op == "UNSHARD" else sorted(units)) == list(range(r["units"][s])), (op, s, units)
+            assert not events
+        else:
+            assert r["fsdp_trace"] == expected
         gathers = sum(op == "UNSHARD" for op, _ in r["fsdp_trace"])
         if not (cfg.get("reshard") or cfg.get("groups", 1) > 1):  # each local stage gathered once per step
             assert gathers == cfg["loops"]
         else:  # more gathers, exactly as the schedule says (checked above)
             assert gathers > cfg["loops"]
+
+
+@pytest.mark.parametrize("index", [i for i, c in enumerate(WORLD4) if c.get("trace") and c.get("shard_unit")])
+def test_a_stage_sharded_per_layer_computes_its_first_layer_while_the_next_layers_arrive(runs, index):
+    """shard_unit="layer": when a stage's first layer runs its first forward after the stage's UNSHARD, none of the
+    stage's later units has been waited for (each unit's own FSDP hook waits for its gather when it runs)."""
+    for r in runs(4)[index]:
+        for s, units in r["units"].items():
+            assert max(n for st, n in r["arriving"] if st == s) == units - 1 > 0, (s, units, r["arriving"])
 
 
 def test_torchrun_launch(tmp_path):

@@ -107,7 +107,44 @@ def build_runtime(
     # Our validated, lowered lists replace torch's own lowering (it has no breadth-first x groups order
     # and its FSDP prefetch policy is not ours). The stage->rank map is torch's default "loop" style.
     runtime.pipeline_order_with_comms = to_torch_actions(schedule)
+    each_unit_waits_for_its_own(runtime, stages)
     return runtime, stages
+
+
+def each_unit_waits_for_its_own(runtime: Any, stages: list[PipelineStage]) -> None:
+    """On stages sharded per layer (``StageModule.per_layer_units``): torch's runtime waits for every FSDP unit's
+    all-gather of a stage (``_assert_unsharded``, private) before the stage's first compute after its UNSHARD; here it
+    waits for none, and each unit's own FSDP pre-forward (pre-backward) hook waits for its gather when the unit runs,
+    so a stage's first layer computes while the next layers' weights still arrive. What a unit did not wait for is
+    waited for after the compute. Public alternative checked: none (the wait is inside ``_step_microbatches``)."""
+    per_layer = {stage.stage_index for stage in stages if getattr(stage.submod, "per_layer_units", False)}
+    if not per_layer:
+        return
+    inner = runtime._assert_unsharded
+    pending: dict[int, list[Any]] = {}
+
+    def assert_unsharded(stage: PipelineStage) -> None:
+        index = stage.stage_index
+        if index in per_layer and index in runtime.unshard_ops:
+            pending.setdefault(index, []).extend(runtime.unshard_ops.pop(index))
+            runtime.unsharded_stages.add(index)
+        inner(stage)
+
+    runtime._assert_unsharded = assert_unsharded
+    for stage in stages:
+        if stage.stage_index not in per_layer:
+            continue
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            compute = getattr(stage, name)
+
+            def then_settle(*args, _compute=compute, _index=stage.stage_index, **kwargs):
+                try:
+                    return _compute(*args, **kwargs)
+                finally:
+                    for handle in pending.pop(_index, ()):
+                        handle.wait()  # (a no-op for a unit whose hook waited)
+
+            setattr(stage, name, then_settle)
 
 
 def leave_no_trace_of_shape_inference(stage: PipelineStage) -> None:

@@ -36,6 +36,7 @@ class StageModule(nn.Module):
         self.index, self.rank, self.last = index, rank, last  # global stage index, pipeline rank: named in errors
         self._calls = [LayerCall(mod, name) for name, mod in (calls if calls is not None else named_layers)]
         self._side_inputs = side_inputs
+        self._part_names = [name for name, _ in named_layers]
         for name, layer in named_layers:
             parent: nn.Module = self
             *path, leaf = name.split(".")
@@ -53,6 +54,14 @@ class StageModule(nn.Module):
     # sharded): FSDP casts the stage's float inputs to it, and the side inputs computed here (rotary cos/sin,
     # masks: in the default dtype) are cast alike, as a model's own forward makes them in its hidden states' dtype.
     side_input_dtype: torch.dtype | None = None
+
+    # Set when each layer is its own FSDP unit (``shard_unit="layer"``): the runtime lets each unit wait for its own
+    # gathered weights (``_private.pipelining.each_unit_waits_for_its_own``).
+    per_layer_units: bool = False
+
+    def layer_modules(self) -> list[nn.Module]:
+        """The modules that hold the stage's layers' state (a layer, or the modules a wrapper layer wraps), in order."""
+        return [self.get_submodule(name) for name in self._part_names]
 
     def compile_layers(self) -> None:
         """torch.compile each layer in place (``nn.Module.compile``: names and state-dict keys stay the model's)."""

@@ -46,11 +46,12 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
 
 def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: ParallelDims, plans: dict,
                 precision: str, activation_checkpointing: bool, compile_layers: bool = False,
-                expert_mesh: DeviceMesh | None = None) -> bool:
+                expert_mesh: DeviceMesh | None = None, shard_unit: str = "stage") -> bool:
     """Tensor parallel by the model's `plans` (before FSDP), expert parallel over `expert_mesh` (the experts split
     over its EP dimension), activation checkpointing, torch.compile per layer (`compile_layers`, after tensor
     parallel, before FSDP, as torchtitan does), then FSDP2 over data parallel when sharded (over dp x cp under context
-    parallel: ``layout.mesh.parameter_mesh``; each experts module its own unit over the experts' copies, EDP).
+    parallel: ``layout.mesh.parameter_mesh``; each experts module its own unit over the experts' copies, EDP; with
+    `shard_unit` "layer" each layer its own unit too, ``layout.fsdp.shard_stage``).
     Returns whether FSDP's MixedPrecisionPolicy does "bf16-mixed" (no autocast then)."""
     mesh = parameter_mesh(dims, mesh)
     if plans:
@@ -70,6 +71,8 @@ def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: Paralle
         policy = stage_mixed_precision(precision, last_stage=s == last)
         if experts.get(s):
             shard_experts(experts[s], expert_mesh, dims.gradient_replicas, stage_mixed_precision(precision, False))
-        shard_stage(stage, gradient_mesh(mesh), policy)
+        per_layer = shard_unit == "layer"
+        shard_stage(stage, gradient_mesh(mesh), policy, stage.layer_modules() if per_layer else ())
+        stage.per_layer_units = per_layer
         stage.side_input_dtype = policy.param_dtype if policy is not None else None
     return precision == "bf16-mixed"

@@ -67,10 +67,8 @@ class Record(Callback):
     def on_fit_start(self, trainer, pl_module):
         if not self.trace:
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fpg
-
-        from torch.distributed.fsdp import FSDPModule
 
         stage_of = {}  # an FSDP parameter -> (its stage, its unit's position among the stage's units)
         for s, mod in trainer.strategy.runner.modules.items():
@@ -247,7 +245,8 @@ def run(cfg: dict, devices: int, out: Path) -> None:
          "dtypes": _dtypes(strategy, record.grad_dtypes),
          **evaluated, "cluster_env": type(trainer.strategy.cluster_environment).__name__,
          "schedule_fsdp": [(a.op.value, a.stage) for a in strategy.schedule.fsdp_actions(pipeline_rank)],
-         "units": record.units, "arriving": record.arriving, "stage_layers": {s: len(m.layer_modules()) for s, m in strategy.runner.modules.items()}},
+         "units": record.units, "arriving": record.arriving,
+         "stage_layers": {s: len(m.layer_modules()) for s, m in strategy.runner.modules.items()}},
         out / f"rank{trainer.global_rank}.pt",
     )
 

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-
 SHARD_UNITS = ("stage", "layer")
 
 

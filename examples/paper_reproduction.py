@@ -95,6 +95,31 @@ def cross_step_table(model: Model, cluster: Cluster, overheads=(0.0, 0.005, 0.01
     return "\n".join(rows)
 
 
+def shard_unit_table(model: Model, cluster: Cluster, beta: float = 0.125, loops=(2, 4, 8, None)) -> str:
+    """BF-ZB at `beta` sequences per GPU, cross-step overlap searched: the best layout with each stage one FSDP unit
+    against the best with one unit per layer allowed (``search(shard_units=...)``), per number of loops (None: any).
+    Model TFLOP/s per GPU and % of the compute-bound limit."""
+    fpt, bound = model.flops_per_token(), cluster.flops
+    schedules, shardings, options, (min_pp, _), tps, sps = MODES["breadth_first_zb"]
+    rows = ["| loops | one unit per stage | one unit per layer allowed | its layout | gain |", "|---|---|---|---|---|"]
+    for n in loops:
+        pair = []
+        for units in (("stage",), ("stage", "layer")):
+            plans = [p for p in search(model, cluster, int(beta * cluster.world_size), options=options, top=1,
+                                       schedules=schedules, shardings=shardings, min_pipeline_parallel=min_pp,
+                                       tensor_parallels=tps, sequence_parallels=sps, cross_step_overlaps=(False, True),
+                                       shard_units=units, **({"loops": (n,)} if n else {})) if p.fits]
+            pair.append(plans[0] if plans else None)
+        if None in pair:
+            rows.append(f"| {n or 'any'} | does not fit | | | |")
+            continue
+        cells = [f"{p.tokens_per_second_per_device * fpt / 1e12:.1f} "
+                 f"({p.tokens_per_second_per_device * fpt / bound:.1%})" for p in pair]
+        gain = pair[1].tokens_per_second_per_device / pair[0].tokens_per_second_per_device
+        rows.append(f"| {n or 'any'} | {cells[0]} | {cells[1]} | {_layout(pair[1])} | {gain:.3f} |")
+    return "\n".join(rows)
+
+
 def possible(cluster: Cluster, beta: float, mode: str) -> bool:
     """Whether any layout exists at all (the global batch must split over dp = world / pp replicas)."""
     batch, (min_pp, max_pp), tps = int(beta * cluster.world_size), MODES[mode][3], MODES[mode][4] or (1, 2, 4, 8)
@@ -123,6 +148,7 @@ def _layout(p) -> str:
     extra += f" {c.sharding}" if c.sharding != "full" else ""
     extra += f" {c.residency}{c.cache or ''}" if c.residency != "step" else ""
     extra += " cross-step" if c.cross_step_overlap else ""
+    extra += " per-layer units" if c.shard_unit == "layer" else ""
     cp = f" cp{c.context_parallel}" if c.context_parallel > 1 else ""
     return (f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''}{cp} pp{c.pipeline_parallel} "
             f"l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}")
@@ -291,6 +317,8 @@ def main() -> None:
                         help="only the table of the best layouts with and without context parallel (CP_CASES)")
     parser.add_argument("--cross-step", action="store_true",
                         help="only the cross-step overlap table (BF, BF-ZB; host time between steps 0-10 ms)")
+    parser.add_argument("--shard-unit", action="store_true",
+                        help="only the per-layer FSDP units table (BF-ZB at 1/8 sequence per GPU, ~1 min)")
     args = parser.parse_args()
     if args.residency:
         print(residency_table(*load(args.model, args.cluster)))
@@ -302,6 +330,9 @@ def main() -> None:
         return
     if args.cross_step:
         print(cross_step_table(*load(args.model, args.cluster)))
+        return
+    if args.shard_unit:
+        print(shard_unit_table(*load(args.model, args.cluster)))
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -336,6 +367,8 @@ def main() -> None:
                          sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2))))
         sections.append(("Inter-node bandwidth with each method's layout held fixed",
                          fixed_layout_sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2))))
+    sections.append((f"FSDP units per layer (BF-ZB, 1/8 sequence per GPU, {cluster.world_size} GPUs)",
+                     shard_unit_table(model, cluster)))
     bf1 = results.get((1, "breadth_first"))
     if bf1 not in (None, "n/a"):
         gantt(model, cluster, bf1, out / "paper_reproduction_bf_gantt.png")

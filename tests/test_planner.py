@@ -271,6 +271,25 @@ def test_the_planner_searches_cross_step_overlap_where_the_host_time_between_ste
         == [p.candidate for p in search(model, free, 8, top=3, shardings=["full"])]
 
 
+def test_the_planner_searches_per_layer_fsdp_units_and_says_so_on_the_command_line():
+    """shard_units=("stage", "layer"): fully sharded candidates are also simulated with one FSDP unit per layer (none
+    of the unsharded ones); where the stages' first gathers are exposed (the paper's 52B at pp 8 x loops 2: 8
+    blocks per stage, each gathered in ~4 ms) that wins, by the simulation of the same candidate, and its overrides
+    carry schedule.shard_unit=layer."""
+    model, slow = _load("gpt_52b", "a100_paper")
+    space = dict(top=0, include_unfit=True, schedules=["breadth_first"], loops=(2,), min_pipeline_parallel=8,
+                 max_pipeline_parallel=8, tensor_parallels=(8,), sequence_parallels=(True,), residencies=("step",),
+                 shardings=["full", "none"], shard_units=("stage", "layer"))
+    plans = search(model, slow, 64, **space)
+    assert not any(p.candidate.sharding == "none" and p.candidate.shard_unit == "layer" for p in plans)
+    pairs = [(p, q) for p in plans for q in plans if p.candidate.shard_unit == "layer"
+             and q.candidate == dataclasses.replace(p.candidate, shard_unit="stage")]
+    assert pairs and all(p.step_time < q.step_time for p, q in pairs), [(p.step_time, q.step_time) for p, q in pairs]
+    assert "schedule.shard_unit=layer" in pairs[0][0].candidate.overrides()
+    r = simulate_candidate(model, slow, pairs[0][0].candidate)
+    assert r.step_time == pytest.approx(pairs[0][0].step_time)
+
+
 @pytest.mark.parametrize("model_name, cluster_name, batches", [
     ("gpt_small", "gpu_8", (8, 32)),
     ("gpt_tiny", "cpu_4", (8, 16)),
@@ -279,9 +298,10 @@ def test_the_planner_searches_cross_step_overlap_where_the_host_time_between_ste
 def test_pruned_search_keeps_the_exhaustive_answer(model_name, cluster_name, batches):
     """Every pruning (memory bounds before simulation, settled families, the step-time bound, shared stage costs)
     keeps the search's answer, the best fitting plan, as simulating every candidate finds it (or one tied with it),
-    for each schedule alone and all together, cross-step overlap searched too."""
+    for each schedule alone and all together, cross-step overlap and per-layer FSDP units searched too."""
     model, cluster = _load(model_name, cluster_name)
-    space = dict(loops=(1, 2, 4), max_micro_batches=8, max_groups=2, cross_step_overlaps=(False, True))
+    space = dict(loops=(1, 2, 4), max_micro_batches=8, max_groups=2, cross_step_overlaps=(False, True),
+                 shard_units=("stage", "layer"))
     for batch in batches:
         for schedules in [[name] for name in SCHEDULES] + [list(SCHEDULES)]:
             pruned = search(model, cluster, batch, top=1, schedules=schedules, **space)

@@ -89,6 +89,26 @@ def test_cross_step_overlap_hides_the_first_gather_behind_the_host_time_between_
     assert simulate(sched, unsharded).cross_step_gain == 0.0  # nothing to gather
 
 
+def test_a_stage_sharded_per_layer_computes_each_layer_once_its_own_weights_arrived():
+    """shard_unit="layer" (two equal units per stage): a stage's first forward starts once its first layer's weights
+    arrived, and each layer waits for its own; the exposed first gather halves (0.5 -> 0.25), the step with it."""
+    spec = ScheduleSpec("breadth_first", pipeline_parallel=2, loops=2, micro_batches=4)
+    sched = build_schedule(spec)
+    whole = unit_costs(4, 2, unshard=0.5, reduce=0.5)
+    layered = dataclasses.replace(whole, stages=[dataclasses.replace(st, unit_gather=(0.25, 0.25),
+                                                                     unit_share=(0.5, 0.5)) for st in whole.stages])
+    one, per_layer = evaluate(sched, whole), evaluate(sched, layered)
+    first = lambda r: next(e for e in r.rank_timeline(0) if e.kind == "F")  # noqa: E731
+    assert (first(one).start, first(one).end) == pytest.approx((0.5, 1.5))
+    assert (first(per_layer).start, first(per_layer).end) == pytest.approx((0.25, 1.25))
+    assert per_layer.step_time == pytest.approx(one.step_time - 0.25)
+    assert per_layer.exposed_comm == pytest.approx(one.exposed_comm - 0.25)
+    # gather-bound (4 s of weights, 1 s of forward): the second layer waits for its weights (arrived at 4)
+    slow = dataclasses.replace(layered, stages=[dataclasses.replace(st, unshard=4.0, unit_gather=(2.0, 2.0))
+                                                for st in layered.stages])
+    assert (first(evaluate(sched, slow)).start, first(evaluate(sched, slow)).end) == pytest.approx((2.0, 4.5))
+
+
 def test_megatron_like_waits_for_reduction_at_end():
     spec = ScheduleSpec("depth_first", pipeline_parallel=2, loops=2, micro_batches=4)
     costs = unit_costs(4, 2, reduce=0.5, p2p=0.1, sharding="none")

@@ -73,6 +73,10 @@ class StageCost:
     expert_parallel: int = 1
     a2a_forward: float = 0.0  # seconds of its experts' all-to-alls for one micro-batch (dispatch + combine)
     a2a_backward: float = 0.0  # the same in backward (their gradients), in the input-gradient part
+    # shard_unit="layer": each layer's share of `unshard` (its own all-gather, in order) and of the compute; a
+    # stage's compute runs each layer once its weights arrived. Empty: the stage is one unit
+    unit_gather: tuple[float, ...] = ()
+    unit_share: tuple[float, ...] = ()
 
     @property
     def gathered_params(self) -> float:
@@ -101,7 +105,8 @@ class Costs:
 
     def without_comm(self) -> Costs:
         """The same compute with free communication (for pipeline bubble and exposed-comm numbers)."""
-        stages = [replace(s, unshard=0.0, reduce=0.0, inter_node=False, a2a_forward=0.0, a2a_backward=0.0)
+        stages = [replace(s, unshard=0.0, reduce=0.0, inter_node=False, a2a_forward=0.0, a2a_backward=0.0,
+                          unit_gather=())
                   for s in self.stages]
         return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
                      self.flops_per_token, self.step_overhead, self.tensor_parallel)
@@ -130,6 +135,7 @@ def build_costs(
     sequence_parallel: bool = False,
     expert_parallel: int = 1,
     context_parallel: int = 1,
+    shard_unit: str = "stage",
 ) -> Costs:
     """Per-stage costs of `model` (its `Layers`, or a transformer `Model` that describes them) cut into
     pipeline_parallel*loops stages on a (pp, dp, tp) mesh of `cluster`.
@@ -146,7 +152,9 @@ def build_costs(
     overlaps them (``SimOptions.expert_overlap``). Context parallel (cp, between dp and tp) gives each rank 1/cp of
     every sequence: its compute, activations and messages shrink, each attention layer all-gathers keys and values
     over the cp group in forward and reduce-scatters their gradients in backward (on the compute's critical path,
-    in-node when cp x tp ranks fit a node), and gradients reduce over dp x cp.
+    in-node when cp x tp ranks fit a node), and gradients reduce over dp x cp. `shard_unit` "layer" (full sharding):
+    each layer its own FSDP unit, one all-gather and one reduce-scatter per layer (each paying its latency), a stage's
+    layers computing as their weights arrive (``StageCost.unit_gather``).
     """
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r} must be one of {SHARDINGS}.")
@@ -182,7 +190,7 @@ def build_costs(
                                         dims.group(EDP, first))
         stages.append(_stage_cost(layers, cluster, span, groups[s % pp], micro_batch_size, sharding, comm,
                                   _weight_pass_bytes(layers, span, micro_batch_size, message),
-                                  first_stage=s == 0))
+                                  first_stage=s == 0, per_layer=shard_unit == "layer"))
         start += n
     tokens = micro_batch_size * layers.seq * cp  # whole sequences
     p2p, inter_links = _p2p_links(cluster, dims, message)
@@ -268,7 +276,7 @@ def _comm_times(layers: Layers, cluster: Cluster, micro_batch_size: int,
 
 def _stage_cost(layers: Layers, cluster: Cluster, span: range, groups: _Groups, micro_batch_size: int,
                 sharding: str, comm: tuple[list[float], list[float]], weight_pass_bytes: float = 0.0, *,
-                first_stage: bool = False) -> StageCost:
+                first_stage: bool = False, per_layer: bool = False) -> StageCost:
     """One stage (layers `span`) for one micro-batch: compute from calibrated layer times or FLOPs (recomputation
     repeats the forward), tp and cp collectives (`comm`, per layer: on the compute's critical path), dp collectives
     over its gradient group (dp, x cp under context parallel); with expert parallel (`groups.ep` > 1), the experts'
@@ -278,7 +286,6 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, groups: _Groups, 
     p = sum(layers.params[i] for i in span)
     ep = groups.ep
     pe = sum(layers.expert_params[i] for i in span) if layers.expert_params else 0
-    dense = p - pe if ep > 1 else p
     if layers.times:  # calibrated per-layer seconds
         fwd = sum(layers.times[i][0] for i in span) * mbs
         bwd = sum(layers.times[i][1] for i in span) * mbs + recompute * fwd
@@ -289,16 +296,29 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, groups: _Groups, 
     bwd_tp = sum(comm[1][i] for i in span) + recompute * fwd_tp
     lat = cluster.latency
     wire = layers.wire
-    # (parameters, group size, its bandwidth): the dense weights over dp, each rank's 1/ep of the experts over copies
-    parts = [(dense, groups.dp, groups.bw)] + ([(pe / ep, groups.copies, groups.copies_bw)] if ep > 1 else [])
-    ring = lambda nbytes_per_param: sum(ring_time(nbytes_per_param * n, g, b, lat) for n, g, b in parts)  # noqa: E731
-    gather = ring(wire.weights) if sharding == "full" else 0.0
+    per_layer = per_layer and sharding == "full"
+    units = [(i,) for i in span] if per_layer else [tuple(span)]  # the layers of each FSDP unit
+
+    def ring(nbytes_per_param: float, unit: tuple[int, ...]) -> float:
+        """One collective of the unit's weights: the dense ones over dp, each rank's 1/ep of the experts over their
+        copies."""
+        expert = sum(layers.expert_params[i] for i in unit) if ep > 1 else 0
+        parts = [(sum(layers.params[i] for i in unit) - expert, groups.dp, groups.bw)]
+        parts += [(expert / ep, groups.copies, groups.copies_bw)] if ep > 1 else []
+        return sum(ring_time(nbytes_per_param * n, g, b, lat) for n, g, b in parts)
+
+    unit_gather = tuple(ring(wire.weights, u) for u in units) if sharding == "full" else ()
+    gather = sum(unit_gather)
     if sharding == "full":  # reduce-scatter (bf16 in the paper's regime)
-        reduce = ring(wire.grads)
+        reduce = sum(ring(wire.grads, u) for u in units)
     elif sharding == "optimizer":  # fp32 reduce-scatter of the main grads, all-gather of updated params
-        reduce = ring(4) + ring(wire.weights)
+        reduce = ring(4, units[0]) + ring(wire.weights, units[0])
     else:  # all-reduce
-        reduce = 2 * ring(wire.grads)
+        reduce = 2 * ring(wire.grads, units[0])
+    share = ()
+    if per_layer:
+        each = [layers.forward_flops[i] if not layers.times else layers.times[i][0] for i in span]
+        share = tuple(x / (sum(each) or 1) for x in each)
     a2a = 0.0
     if ep > 1 and layers.a2a_bytes:  # two all-to-alls per MoE layer and pass (dispatch, combine)
         a2a = 2 * a2a_time(sum(layers.a2a_bytes[i] for i in span) * mbs, ep, groups.ep_bw, lat)
@@ -309,6 +329,7 @@ def _stage_cost(layers: Layers, cluster: Cluster, span: range, groups: _Groups, 
                      inter_node=groups.inter_node, weight_bytes=wire.weights,
                      grad_bytes=wire.grads, expert_params=pe if ep > 1 else 0, expert_parallel=ep, a2a_forward=a2a,
                      a2a_backward=a2a, weight_pass_bytes=weight_pass_bytes,
+                     unit_gather=unit_gather if per_layer else (), unit_share=share,
                      **({"weight_fraction": 1.0} if first_stage else {}))
 
 

@@ -53,6 +53,7 @@ class Candidate:
     expert_parallel: int = 1  # data-parallel ranks splitting each MoE layer's experts
     context_parallel: int = 1  # ranks sharing every sequence (each holds 1/cp of it)
     cross_step_overlap: bool = False  # the next step's first all-gathers start right after the optimizer step
+    shard_unit: str = "stage"  # "layer": each layer its own FSDP unit (full sharding)
 
     @property
     def gradient_replicas(self) -> int:
@@ -92,6 +93,7 @@ class Candidate:
         out += [f"schedule.expert_parallel={self.expert_parallel}"] if self.expert_parallel > 1 else []
         out += [f"schedule.context_parallel={self.context_parallel}"] if self.context_parallel > 1 else []
         out += ["schedule.cross_step_overlap=true"] if self.cross_step_overlap else []
+        out += [f"schedule.shard_unit={self.shard_unit}"] if self.shard_unit != "stage" else []
         out += [f"model={model}"] if model else []
         out += [f"cluster={cluster}"] if cluster else []
         out += [f"data.batch_size={batch_size}"] if batch_size else []
@@ -224,7 +226,7 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
                        data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
                        micro_batches=c.micro_batches, sharding=c.sharding, tensor_parallel=c.tensor_parallel,
                        sequence_parallel=c.sequence_parallel, expert_parallel=c.expert_parallel,
-                       context_parallel=c.context_parallel)
+                       context_parallel=c.context_parallel, shard_unit=c.shard_unit)
 
 
 class _CostCache:
@@ -239,7 +241,8 @@ class _CostCache:
         block = (c.tensor_parallel, c.context_parallel, c.pipeline_parallel, c.micro_batch_size)
         if block != self.block:
             self.block, self.costs = block, {}
-        key = (c.loops, c.data_parallel, c.micro_batches, c.sharding, c.sequence_parallel, c.expert_parallel)
+        key = (c.loops, c.data_parallel, c.micro_batches, c.sharding, c.sequence_parallel, c.expert_parallel,
+               c.shard_unit)
         if key not in self.costs:
             self.costs[key] = candidate_costs(self.model, self.cluster, c)
         return self.costs[key]
@@ -282,7 +285,8 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
 def _family(c: Candidate) -> tuple:
     """A candidate up to its memory-for-speed knobs (groups, reshard after forward, residency)."""
     return (c.schedule, c.pipeline_parallel, c.loops, c.micro_batches, c.micro_batch_size, c.sharding,
-            c.tensor_parallel, c.sequence_parallel, c.expert_parallel, c.context_parallel, c.cross_step_overlap)
+            c.tensor_parallel, c.sequence_parallel, c.expert_parallel, c.context_parallel, c.cross_step_overlap,
+            c.shard_unit)
 
 
 def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
@@ -351,6 +355,7 @@ def search(
     top: int = 10,
     include_unfit: bool = False,
     cross_step_overlaps: Sequence[bool] = (False,),
+    shard_units: Sequence[str] = ("stage",),
     exhaustive: bool = False,
     **space: Any,
 ) -> list[Plan]:
@@ -367,6 +372,7 @@ def search(
     (e.g. `SimOptions(blocking_reduce=True)` on CPU). `cross_step_overlaps`: (False, True) also tries each candidate
     with cross-step overlap (``SimOptions.cross_step_overlap``; taken from the same simulation: it shortens the step by
     its ``cross_step_gain`` and holds no more memory than the step's peak), kept where it gains anything.
+    `shard_units`: ("stage", "layer") also tries each fully sharded candidate with one FSDP unit per layer.
     `exhaustive`: skip nothing (every candidate simulated; what the pruned search's answer is tested against).
     """
     plans: list[Plan] = []
@@ -375,7 +381,7 @@ def search(
     leaders: list[float] = []  # min-heap: tokens/s/device of the best `keep` fitting plans so far
     bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `keep`
     costs_of = _CostCache(model, cluster)
-    for c in candidates(model, cluster, batch_size, **space):
+    for c in _each_shard_unit(candidates(model, cluster, batch_size, **space), shard_units):
         family = _family(c)
         prune = not include_unfit and not exhaustive
         if not exhaustive and (family in settled or (prune and not _static_fits(model, cluster, c))):
@@ -414,6 +420,14 @@ def search(
     return plans
 
 
+def _each_shard_unit(found: Iterable[Candidate], shard_units: Sequence[str]) -> Iterable[Candidate]:
+    """Each candidate with each FSDP unit of `shard_units` (one per layer only where weights are sharded)."""
+    for c in found:
+        for unit in shard_units:
+            if unit == "stage" or c.sharding == "full":
+                yield replace(c, shard_unit=unit)
+
+
 def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
     head = (f"{'#':>3} {'schedule':<16} {'pp':>3} {'dp':>4} {'cp':>3} {'tp':>3} {'ep':>3} {'loops':>5} {'m':>4} "
             f"{'mbs':>4} {'grp':>3} {'shard':<5} {'raf':<5} {'resid':<6} {'tok/s/dev':>11} {'step ms':>9} "
@@ -428,7 +442,7 @@ def format_table(plans: Sequence[Plan], limit: int = 15) -> str:
             f"{c.tensor_parallel:>3}"
             f"{'s' if c.sequence_parallel else ' '}{c.expert_parallel:>3}{c.loops:>5} {c.micro_batches:>4} "
             f"{c.micro_batch_size:>4} {c.groups:>3} {c.sharding:<5} {str(c.reshard_after_forward).lower():<5} "
-            f"{c.residency + (str(c.cache) if c.cache else ''):<6} "
+            f"{c.residency + (str(c.cache) if c.cache else '') + ('/L' if c.shard_unit == 'layer' else ''):<6} "
             f"{p.tokens_per_second_per_device:>11.1f} {p.step_time * 1e3:>9.1f} {p.peak_memory / 1e9:>8.2f} "
             f"{bubble:>7} {exposed:>11}"
         )

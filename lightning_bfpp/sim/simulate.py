@@ -99,7 +99,7 @@ class SimResult:
 
 class _Rank:
     __slots__ = ("rank", "program", "pc", "host", "ag_free", "rs_free", "nic", "ag_stage", "ready", "busy", "deferred",
-                 "mem", "grads", "first_compute")
+                 "mem", "grads", "first_compute", "gathering")
 
     def __init__(self, rank: int, program):
         self.rank, self.program, self.pc = rank, program, 0
@@ -107,7 +107,8 @@ class _Rank:
         self.host = self.ag_free = self.rs_free = self.busy = 0.0
         self.nic = 0.0  # time the rank's network interface is free of collectives (inter-node transfers only)
         self.ag_stage = -1  # stage of the last inter-node all-gather
-        self.ready: dict[int, float] = {}  # stage -> time its gathered weights are usable
+        self.ready: dict[int, float] = {}  # stage -> time its gathered weights are usable (its first unit's)
+        self.gathering: dict[int, tuple[float, float]] = {}  # stage in units -> (gather start, last unit's end)
         self.deferred: list[int] = []
         self.mem: list[tuple[float, float, str]] = []  # (time, bytes delta, category)
         self.grads: set[int] = set()  # stages holding an unsharded gradient
@@ -235,11 +236,15 @@ class _Play:
             return False
         st = self.stages[s]
         t0 = max(r.host, r.ready.get(s, 0.0), t_in)
+        if code != _F and s in r.gathering:  # a backward runs the last layer first: it waits for the whole gather
+            t0 = max(t0, r.gathering[s][1])
         compute = self._compute_time(st, code)
         exposed = self._a2a(st, code)  # its expert all-to-alls, or what the next micro-batch's compute leaves of them
         if exposed and hide is not None and self.options.expert_overlap:
             exposed = max(0.0, exposed - self._compute_time(self.stages[hide[1]], hide[0]))
         dur = compute + exposed
+        if code == _F and s in r.gathering and t0 < r.gathering[s][1]:  # layers computing as their weights arrive
+            dur = _on_arrival(st, t0, dur, *r.gathering[s]) - t0
         if code == _F:
             r.mem.append((t0, st.activation, "activations"))
             if self.schedule.spec.forward_only:
@@ -300,6 +305,9 @@ class _Play:
         st = self.stages[s]
         t0 = max(r.host, r.ag_free, r.nic if st.inter_node else 0.0)
         r.ag_free = r.ready[s] = t0 + st.unshard
+        if st.unit_gather:  # one unit per layer: the stage's first layer computes once its own weights arrived
+            r.ready[s] = t0 + st.unit_gather[0]
+            r.gathering[s] = (t0, r.ag_free)
         if st.inter_node:
             r.nic, r.ag_stage = r.ag_free, s
         r.mem.append((t0, st.weight_bytes * st.gathered_params, "weights"))
@@ -340,6 +348,16 @@ class _Play:
                          self.costs.tokens_per_step, tensor_parallel=self.costs.tensor_parallel, cross_step_gain=gain)
 
 
+def _on_arrival(st, start: float, dur: float, gather_start: float, gather_end: float) -> float:
+    """When a compute of `dur` seconds starting at `start` ends if each layer (``st.unit_share`` of it) waits for its
+    own weights, which arrive in order over [gather_start, gather_end] (``st.unit_gather``'s shares of it)."""
+    t, arrived, scale = start, gather_start, (gather_end - gather_start) / (sum(st.unit_gather) or 1.0)
+    for gather, share in zip(st.unit_gather, st.unit_share):
+        arrived += gather * scale
+        t = max(t, arrived) + share * dur
+    return t
+
+
 def _static_bytes(stages: list[int], costs: Costs) -> float:
     """Bytes held for the whole step: the parameter/optimizer state of the rank's stages."""
     return state_bytes(sum(costs.stages[s].params for s in stages), costs.sharding, costs.data_parallel,
@@ -351,7 +369,12 @@ def _share_nic(r: _Rank, t: float, delay: float) -> None:
     flight finish that much later."""
     if r.ag_stage >= 0 and r.ag_free > t:
         r.ag_free += delay
-        r.ready[r.ag_stage] = r.ag_free
+        if r.ag_stage in r.gathering:  # its layers' weights arrive that much later, the first one's at most
+            start, _ = r.gathering[r.ag_stage]
+            r.gathering[r.ag_stage] = (start, r.ag_free)
+            r.ready[r.ag_stage] = min(r.ready[r.ag_stage] + delay, r.ag_free)
+        else:
+            r.ready[r.ag_stage] = r.ag_free
     if r.rs_free > t:
         r.rs_free += delay
     r.nic += delay

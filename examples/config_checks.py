@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_bfpp.data.settings import PACKINGS
+from lightning_bfpp.layout.fsdp import check_shard_unit
 from lightning_bfpp.schedule import SCHEDULES
 from lightning_bfpp.schedule.checks import is_count
 from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
@@ -309,6 +310,10 @@ def check_layout(cfg: DictConfig) -> int:
                             context_parallel=_default(get("schedule.context_parallel"), 1))
         n_layer = get("model.n_layer")
         check_experts_model(cfg)
+        try:
+            check_shard_unit(_default(get("schedule.shard_unit"), "stage"), _default(get("schedule.sharding"), "full"))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     names = Names(
         pipeline_parallel="schedule.pipeline_parallel", tensor_parallel="schedule.tensor_parallel",
         sequence_parallel="schedule.sequence_parallel", context_parallel="schedule.context_parallel",

@@ -248,6 +248,10 @@ CHECKS = [  # (overrides, what the error must say)
      "schedule.expert_parallel=2 with schedule.sharding='none'"),
     (["model=gpt_moe_tiny", "schedule.expert_parallel=0"], "schedule.expert_parallel=0 must be a positive integer"),
     (["schedule.cross_step_overlap=maybe"], "schedule.cross_step_overlap='maybe' must be true or false"),
+    (["schedule.shard_unit=block"], "schedule.shard_unit='block' must be stage or layer"),
+    (["schedule.shard_unit=layer", "schedule.sharding=none"],
+     "shard_unit='layer' (Hydra: schedule.shard_unit=layer) splits FSDP's sharding into one unit per layer, and "
+     "sharding='none' (Hydra: schedule.sharding=none) shards nothing"),
     (["schedule.cuda_graphs=true"], "schedule.cuda_graphs=true needs a CUDA device (cluster=cpu_4 is cpu)"),
     (["trace.enabled=yes"], "trace.enabled='yes' must be true or false"),
     (["trace.count=0"], "trace.count=0 must be an integer >= 1"),

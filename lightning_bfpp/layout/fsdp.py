@@ -20,7 +20,8 @@ def check_shard_unit(shard_unit: str, sharding: str | None = None) -> None:
                          "'stage' shards each pipeline stage as one FSDP unit, 'layer' each of its layers.")
     if shard_unit == "layer" and sharding == "none":
         raise ValueError("shard_unit='layer' (Hydra: schedule.shard_unit=layer) splits FSDP's sharding into one unit "
-                         "per layer, and sharding='none' shards nothing: use sharding='full', or shard_unit='stage'.")
+                         "per layer, and sharding='none' (Hydra: schedule.sharding=none) shards nothing: use "
+                         "sharding='full', or shard_unit='stage'.")
 
 
 def shard_stage(module: nn.Module, dp_mesh: DeviceMesh, mp_policy=None, layers: Sequence[nn.Module] = ()) -> nn.Module:

@@ -319,18 +319,22 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
         seed = self.broadcast(torch.initial_seed()) if on_meta else None  # rank 0's: one initialization for all
         self.param_order = [name for name, _ in module.named_parameters()]  # the whole model's (checkpoint.plain)
         self.model_count = ParameterCount.of(module)  # the whole model's (the model summary's totals)
-        modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims, stage_layers,
-                                                         self.global_rank, process_group_timeout(self),
-                                                         self.root_device, seed)
+        modules, self.stage_layer_names, self.tied = cut(module, layers, self.device_mesh, self.dims,
+                                                         stage_layers=stage_layers, global_rank=self.global_rank,
+                                                         timeout=process_group_timeout(self), device=self.root_device,
+                                                         seed=seed)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         experts = build_expert_mesh(self.dims, self.device_mesh, self.root_device.type,
                                     process_group_timeout(self)) if self.expert_parallel > 1 else None
         self._fsdp_mixed_precision = parallelize(modules, self.device_mesh, self.dims, plans, self._precision,
-                                                 self.activation_checkpointing, self.compile, experts, self.shard_unit)
-        return PipelineRunner.on_mesh(self.plan.train_schedule, modules, self.root_device, self.device_mesh,
-                                      module.pipeline_loss, self.dims, self.compile, self.cuda_graphs,
-                                      say=rank_zero_info, router_loss=self.plan.router_loss_for())
+                                                 activation_checkpointing=self.activation_checkpointing,
+                                                 compile_layers=self.compile, expert_mesh=experts,
+                                                 shard_unit=self.shard_unit)
+        return PipelineRunner.on_mesh(self.plan.train_schedule, modules, device=self.root_device,
+                                      mesh=self.device_mesh, loss_fn=module.pipeline_loss, dims=self.dims,
+                                      compiled=self.compile, cuda_graphs=self.cuda_graphs, say=rank_zero_info,
+                                      router_loss=self.plan.router_loss_for())
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override

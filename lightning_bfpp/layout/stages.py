@@ -23,7 +23,7 @@ from .tensor_parallel import apply_plans
 from .tied import TiedWeights, find_shared_weights
 
 
-def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: ParallelDims,
+def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: ParallelDims, *,
         stage_layers: Sequence[int] | None, global_rank: int, timeout: timedelta | None, device: torch.device,
         seed: int | None = None) -> tuple[dict[int, StageModule], list[list[str]], TiedWeights]:
     """(this rank's stages by index, every stage's module names, the shared weights' copies). Layers of other
@@ -45,7 +45,7 @@ def cut(module: nn.Module, layers: Sequence[nn.Module], mesh: DeviceMesh, dims: 
 
 
 def parallelize(modules: dict[int, StageModule], mesh: DeviceMesh, dims: ParallelDims, plans: dict,
-                precision: str, activation_checkpointing: bool, compile_layers: bool = False,
+                precision: str, *, activation_checkpointing: bool, compile_layers: bool = False,
                 expert_mesh: DeviceMesh | None = None, shard_unit: str = "stage") -> bool:
     """Tensor parallel by the model's `plans` (before FSDP), expert parallel over `expert_mesh` (the experts split
     over its EP dimension), activation checkpointing, torch.compile per layer (`compile_layers`, after tensor

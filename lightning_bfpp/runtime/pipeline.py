@@ -102,6 +102,7 @@ class PipelineRunner:
         device: torch.device,
         pp_group: dist.ProcessGroup | None,
         loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
         replicate_group: dist.ProcessGroup | None = None,
         compiled: bool = False,
         dims: ParallelDims | None = None,
@@ -145,7 +146,7 @@ class PipelineRunner:
         self.graphs = capture_stages(modules) if cuda_graphs else None  # CUDA graphs of the training passes
 
     @classmethod
-    def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], device: torch.device, mesh: DeviceMesh,
+    def on_mesh(cls, schedule: Schedule, modules: dict[int, nn.Module], *, device: torch.device, mesh: DeviceMesh,
                 loss_fn: Callable[[Any, Any], torch.Tensor], dims: ParallelDims,
                 compiled: bool = False, cuda_graphs: bool = False,
                 say: Callable[[str], Any] = print, router_loss: str = "batch") -> PipelineRunner:
@@ -159,8 +160,9 @@ class PipelineRunner:
         context = ContextParallel(mesh, device) if CP in (mesh.mesh_dim_names or ()) else None
         if context is not None:
             say(f"bfpp: context_parallel={dims.context_parallel}: attention by {context.attention}")
-        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group, compiled, dims, dp_group,
-                   context, cuda_graphs, router_loss)
+        return cls(schedule, modules, device, mesh[PP].get_group(), loss_fn, replicate_group=replicate_group,
+                   compiled=compiled, dims=dims, dp_group=dp_group, context=context, cuda_graphs=cuda_graphs,
+                   router_loss=router_loss)
 
     def _new_totals(self) -> StepTotals:
         """The totals of a training step: summed over the replicas, guarded, with the step's router-loss definition."""

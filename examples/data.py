@@ -134,7 +134,7 @@ TEXT_SETTINGS = ("files", "dataset", "dataset_config", "split", "format", "text_
 
 def text_settings(cfg):
     """lightning_bfpp.data.TextSettings of `data.*`; the tokenizer is data.tokenizer, else model.path's own."""
-    from config_checks import ConfigError
+    from app.checks import ConfigError
     from omegaconf import OmegaConf
 
     from lightning_bfpp.data import DataError, TextSettings
@@ -162,7 +162,7 @@ def prepare_text(cfg, checksums: bool = True) -> None:
     """Before any process starts: the token cache of data=text, prepared or reused (sha256-checked with `checksums`),
     and what would fail later checked now: a tokenizer larger than the model's vocabulary, a document too long for
     data.packing=pad, fewer windows than one batch (training; validation when it runs). ConfigError naming the fix."""
-    from config_checks import ConfigError
+    from app.checks import ConfigError
 
     from lightning_bfpp.data import DataError, prepare_tokens
     from lightning_bfpp.data.encode import load_tokenizer

@@ -16,12 +16,21 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_bfpp.contract.context_parallel import attention, token_positions
-from lightning_bfpp.contract.documents import document_causal_mask, document_positions, split_documents
-from lightning_bfpp.contract.hooks import PipelineHooks, mean_loss
-from lightning_bfpp.contract.router_loss import load_balancing_loss, router_loss, router_stats, step_aux_loss
-from lightning_bfpp.contract.step_totals import active_step_totals
-from lightning_bfpp.sim.model import training_flops_per_token
+from lightning_bfpp.modeling import (
+    PipelineHooks,
+    active_step_totals,
+    attention,
+    document_causal_mask,
+    document_positions,
+    load_balancing_loss,
+    mean_loss,
+    router_loss,
+    router_stats,
+    split_documents,
+    step_aux_loss,
+    token_positions,
+)
+from lightning_bfpp.sim import training_flops_per_token
 
 IGNORED = -100  # a target that no loss counts (prompt tokens, padding), as PyTorch's and Hugging Face's losses
 

@@ -19,7 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import run_dir
+from app import run_dir
 
 from lightning_bfpp.schedule.checks import is_count
 

@@ -9,8 +9,8 @@ A LightningModule becomes pipelinable through ``PipelineHooks``; its layers may 
   at each document) and ``document_causal_mask`` (attention within each document);
 - **a router's load-balancing loss** over the whole step (mixtures of experts): ``router_stats`` (a layer's routing
   statistics), ``router_loss`` (the loss a micro-batch trains, read from the step's totals in backward),
-  ``load_balancing_loss`` (the loss of given statistics) and ``active_step_totals`` (the step's totals; None outside
-  a pipelined step);
+  ``load_balancing_loss`` (the loss of given statistics), ``active_step_totals`` (the step's totals; None outside
+  a pipelined step) and ``step_aux_loss`` (the router loss a step trained, from its totals: to log it);
 - **counted losses**: ``mean_loss`` turns a ``(loss_sum, num_items)`` pair into its mean.
 
 The example GPT (``examples/gpt.py``) uses each of them. Their definitions live in ``lightning_bfpp.contract``; the
@@ -22,8 +22,9 @@ from __future__ import annotations
 from .contract.context_parallel import attention, token_positions
 from .contract.documents import document_causal_mask, document_positions, split_documents
 from .contract.hooks import PipelineHooks, mean_loss
-from .contract.router_loss import load_balancing_loss, router_loss, router_stats
+from .contract.router_loss import load_balancing_loss, router_loss, router_stats, step_aux_loss
 from .contract.step_totals import active_step_totals
 
 __all__ = ["PipelineHooks", "active_step_totals", "attention", "document_causal_mask", "document_positions",
-           "load_balancing_loss", "mean_loss", "router_loss", "router_stats", "split_documents", "token_positions"]
+           "load_balancing_loss", "mean_loss", "router_loss", "router_stats", "split_documents", "step_aux_loss",
+           "token_positions"]

@@ -290,7 +290,7 @@ def test_cli_rejects_a_batch_that_does_not_split(tmp_path):
 
 
 # ---- run directories: never shared by two runs ----
-import run_dir as rundir  # noqa: E402
+from app import run_dir as rundir  # noqa: E402
 
 
 def test_run_dir_lock_refuses_a_live_run_and_takes_over_a_stale_one(tmp_path):
@@ -313,7 +313,7 @@ def test_run_dir_lock_refuses_a_live_run_and_takes_over_a_stale_one(tmp_path):
 
 
 def test_two_launches_name_different_run_dirs():
-    cmd = [sys.executable, "-c", "import run_dir; print(run_dir.run_id('2026-01-01/00-00-00'))"]
+    cmd = [sys.executable, "-c", "from app import run_dir; print(run_dir.run_id('2026-01-01/00-00-00'))"]
     names = {subprocess.run(cmd, cwd=ROOT / "examples", capture_output=True, text=True, check=True).stdout.strip()
              for _ in range(2)}
     assert len(names) == 2 and all(n.startswith("2026-01-01/00-00-00-") for n in names), names

@@ -1,7 +1,7 @@
 """Bad settings through the real command line: `python examples/train.py <overrides>` exits non-zero quickly (on an
 idle machine in well under a minute) with an error naming the setting, before any training process starts (no hang,
 no half-started job).
-The app's own rules (examples/config_checks.py) are also checked in this process, without a command line.
+The app's own rules (examples/app/checks.py) are also checked in this process, without a command line.
 
 The rows run as concurrent subprocesses (one module-scoped fixture, 4 at a time), ~8 s of CPU (imports) and
 ~10-20 s of wall-clock time each on 2 cores. "Fails fast" is checked against what the machine allows right now, so
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from app.checks import ConfigError, check_config
 from app_config import compose_app
-from config_checks import ConfigError, check_config
 from launch import ROOT, clean_env
 
 TRAIN = ROOT / "examples" / "train.py"

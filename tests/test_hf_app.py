@@ -31,7 +31,7 @@ def test_hf_model_trains_from_the_command_line(tmp_path, model, extra):
 
 def test_hf_configs_follow_the_layer_rule():
     """n_layer + 2 pipeline layers (embedding, decoder layers, norm + head), as for the example GPT."""
-    from config_checks import ConfigError, check_config
+    from app.checks import ConfigError, check_config
 
     for model in ("hf_llama_tiny", "hf_gpt2_tiny"):
         ok = compose_app([f"model={model}", "schedule.pipeline_parallel=2", "schedule.loops=3"])
@@ -68,8 +68,8 @@ def test_a_saved_model_fine_tunes_from_the_command_line(tmp_path, saved_llama):
 
 
 def test_hf_pretrained_settings_are_checked_before_launch(saved_llama, tmp_path):
-    import run_dir
-    from config_checks import ConfigError, check_config
+    from app import run_dir
+    from app.checks import ConfigError, check_config
 
     run_dir.register_resolvers()  # as examples/train.py does at import: ${bfpp_hf_config:...}
 
@@ -121,8 +121,8 @@ def test_a_saved_model_fine_tunes_with_lora_and_exports_a_hugging_face_directory
 
 
 def test_lora_and_export_settings_are_checked_before_launch(saved_llama, tmp_path):
-    import run_dir
-    from config_checks import ConfigError, check_config
+    from app import run_dir
+    from app.checks import ConfigError, check_config
 
     run_dir.register_resolvers()
 

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
-import run_dir as rundir
+from app import run_dir as rundir
+from app.checks import ConfigError, check_config
+from app.command_line import check_command_line
 from app_config import compose_app
-from command_line import check_command_line
-from config_checks import ConfigError, check_config
 from hydra.core.hydra_config import HydraConfig
 from procenv import clean_env
 from torch.utils.data import DataLoader
@@ -198,7 +198,7 @@ def test_sweep_folders_carry_the_swept_values(monkeypatch):
 
 
 def test_a_resume_into_the_run_directory_continues_its_metrics_file(tmp_path):
-    from csv_log import ContinuedWriter
+    from app.csv_log import ContinuedWriter
 
     log_dir = tmp_path / "csv" / "version_0"
     log_dir.mkdir(parents=True)

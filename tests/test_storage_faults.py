@@ -22,9 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import run_dir as rundir
 import torch
 import torch.distributed as dist
+from app import run_dir as rundir
 from exact_compare import assert_exact
 from full_disk import limited
 from launch import clean_env, merged, run_lightning, start_lightning, start_torchrun

@@ -69,14 +69,14 @@ def test_a_saved_model_fine_tunes_on_local_text_and_a_rerun_reuses_the_cache(loc
 
 
 def compose_text(*overrides: str):
-    import run_dir
+    from app import run_dir
 
     run_dir.register_resolvers()  # ${bfpp_hf_config:...}, as examples/train.py does at import
     return compose_app(["data=text", "cluster=cpu_2", "schedule.pipeline_parallel=2", "data.batch_size=8", *overrides])
 
 
 def test_bad_text_data_is_named_before_launch(local, tmp_path):
-    from config_checks import ConfigError, check_config
+    from app.checks import ConfigError, check_config
     from data import prepare_text
 
     docs, cache = f"data.files=[{local / 'docs.jsonl'}]", f"data.cache_dir={tmp_path}"

@@ -15,7 +15,7 @@ from .cluster import Cluster, LayerTimes
 from .cost import Costs, StageCost, build_costs, kv_gather_bytes, message_bytes, ring_time, unit_costs
 from .draw import draw_schedule
 from .memory import MemoryReport, memory_report
-from .model import Layers, Model, WireBytes
+from .model import Layers, Model, WireBytes, training_flops_per_token
 from .simulate import MEGATRON, Event, SimOptions, SimResult, evaluate, simulate
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "message_bytes",
     "ring_time", "unit_costs", "MemoryReport",
     "memory_report", "draw_schedule", "MEGATRON", "Event", "SimOptions", "SimResult", "evaluate", "simulate",
+    "training_flops_per_token",
 ]

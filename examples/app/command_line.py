@@ -8,14 +8,15 @@ import inspect
 from difflib import get_close_matches
 from pathlib import Path
 
-from config_checks import SET_ELSEWHERE, ConfigError
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_bfpp.schedule import SCHEDULES
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+from .checks import SET_ELSEWHERE, ConfigError
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
 # options taking a value as the next argument (the others are flags, or `--opt=value` in one argument)
 VALUE_OPTIONS = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd", "--cfg", "-c", "--package",
                  "-p", "--info", "-i")

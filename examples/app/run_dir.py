@@ -60,8 +60,9 @@ def swept_values(default: str) -> str:
     """A `-m` sweep job's folder name after its number: `<last part of the key>-<value>` of every key the command
     line sweeps (`schedule-gpipe_micro_batches-4`), read from the job's own overrides; `default` when nothing is
     swept on the command line (e.g. a sweeper's own params)."""
-    from command_line import overrides_of
     from hydra.core.hydra_config import HydraConfig
+
+    from .command_line import overrides_of
 
     if not HydraConfig.initialized():  # resolved outside a job (e.g. `--cfg hydra --resolve`)
         return default
@@ -76,7 +77,7 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("bfpp_swept", swept_values, replace=True)
     OmegaConf.register_new_resolver("bfpp_rank_suffix", rank_suffix, replace=True)
     OmegaConf.register_new_resolver("bfpp_output_subdir", output_subdir, replace=True)
-    from config_checks import pretrained_config  # model=hf_pretrained: the saved model's shape
+    from .checks import pretrained_config  # model=hf_pretrained: the saved model's shape
 
     OmegaConf.register_new_resolver("bfpp_hf_config", pretrained_config, replace=True, use_cache=True)
 

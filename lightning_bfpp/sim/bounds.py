@@ -2,14 +2,15 @@
 its memory, its step time and its data-parallel collectives' time, and a cheap pre-filter on its weights' state."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..schedule import BREADTH_FIRST, Op, Schedule
 from .cluster import Cluster
 from .cost import Costs, state_bytes
 from .model import Model
 
-Candidate = Any  # a ``planner.Candidate`` (not imported: the planner imports this module)
+if TYPE_CHECKING:
+    from .planner import Candidate
 
 
 def memory_lower_bound(c: Candidate, costs: Costs) -> float:

@@ -210,14 +210,15 @@ def test_stage_module_checkpointing_keeps_names_and_gradients_and_saves_only_lay
 def test_app_applies_activation_checkpointing_once():
     """model.activation_checkpointing goes to BFPPStrategy under bfpp (the GPT blocks' own is off), and to the
     GPT blocks under strategy=auto."""
-    import train
+    from app.models import model_config
+    from app.strategy import build_strategy
     from app_config import compose_app
 
     for strategy in ("bfpp", "auto"):
         cfg = compose_app(["model.activation_checkpointing=true", f"trainer.strategy={strategy}"])
-        built = train.build_strategy(cfg)
+        built = build_strategy(cfg)
         in_strategy = getattr(built, "activation_checkpointing", False)
-        in_model = train.model_config(cfg).activation_checkpointing
+        in_model = model_config(cfg).activation_checkpointing
         assert (in_strategy, in_model) == ((True, False) if strategy == "bfpp" else (False, True))
 
 

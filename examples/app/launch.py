@@ -55,7 +55,6 @@ def refuse_a_dir_in_use(argv: list[str]) -> None:
         sys.exit(2)
 
 
-
 @contextmanager
 def one_job(cfg: DictConfig, run_dir: Path) -> Iterator[None]:
     """Around one job of a run (one of a multirun's): its settings checked, its directory held and cleaned of partial

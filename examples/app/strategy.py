@@ -37,7 +37,7 @@ def build_strategy(cfg: DictConfig, run_dir: Path | None = None):
         pinned = ({k for k in KNOBS if f"schedule.{k}" in keys}
                   | ({"schedule"} if keys & {"schedule", "schedule.name"} else set()))
         s.update({k: None for k in KNOBS if k not in pinned})
-        rows = max(1, int(cfg.data.batch_size) // (2 * int(cfg.cluster.devices) * int(cfg.cluster.num_nodes)))
+        rows = max(1, int(cfg.data.batch_size) // (2 * world_size(cfg)))
         s.update(layout=AutoLayout(sample=torch.zeros(rows, int(cfg.model.block_size), dtype=torch.long)),
                  global_batch_size=int(cfg.data.batch_size))
     # a stop signal saves <run dir>/checkpoints/last.ckpt at the next step boundary: ckpt_path=auto resumes it

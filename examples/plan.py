@@ -52,6 +52,7 @@ def check_plan(cfg: DictConfig) -> None:
         ("plan.runtime_waits", lambda v: v in ("fsdp", "cpu"), "fsdp or cpu"),
         ("plan.expert_parallels", lambda v: v is None or each(_ints(1))(v), "a list of integers >= 1 or null"),
         ("plan.expert_overlap", lambda v: isinstance(v, bool), "true or false"),
+        ("plan.context_parallels", each(_ints(1)), "a list of integers >= 1"),
         ("plan.shard_units", each(lambda x: x in ("stage", "layer")), "a list of stage / layer"),
     ]
     for key, holds, rule in rules:
@@ -89,7 +90,8 @@ def main(cfg: DictConfig) -> None:
                    tensor_parallels=list(p.tensor_parallels) if p.get("tensor_parallels") else None,
                    sequence_parallels=[bool(v) for v in p.sequence_parallels],
                    residencies=("step",),  # the runtime keeps a stage's weights as its schedule lowers them
-                   expert_parallels=experts, shard_units=list(p.shard_units))
+                   expert_parallels=experts, context_parallels=list(p.context_parallels),
+                   shard_units=list(p.shard_units))
     elapsed = time.perf_counter() - start
     if not plans:
         print(f"error: no layout of model={cfg.model.name} on cluster={cfg.cluster.name} with data.batch_size="

@@ -138,6 +138,23 @@ def test_plan_cli_searches_expert_parallel_for_a_mixture_of_experts(tmp_path):
     assert "expert_parallel=2 " in proc.stdout and "schedule.expert_parallel=2 model=gpt_moe_tiny" in proc.stdout
 
 
+def test_plan_cli_searches_expert_with_context_parallel(tmp_path):
+    """plan.context_parallels=[2] beside plan.expert_parallels=[2] (a layout the runtime trains exactly,
+    tests/test_experts.py "ep2-cp2"): the rows are ep=2 x cp=2, every one fully sharded (the runtime refuses expert
+    parallel with replicated weights), and the printed overrides carry both sizes to examples/train.py."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan.py"), "model=gpt_moe_tiny", "cluster=cpu_4",
+         "data.batch_size=16", "plan.top=6", "plan.expert_parallels=[2]", "plan.context_parallels=[2]",
+         "plan.out=null"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line[:4].strip().isdigit()]
+    header = next(line.split() for line in proc.stdout.splitlines() if line.lstrip().startswith("# schedule"))[1:]
+    assert rows and all(r[header.index("cp") + 1] == "2" and r[header.index("ep") + 1] == "2" for r in rows)
+    assert {r[header.index("shard") + 1] for r in rows} == {"full"}
+    assert "schedule.expert_parallel=2 schedule.context_parallel=2" in proc.stdout
+
+
 def test_moe_reproduction_mixtral_on_64_gpus():
     """examples/moe_reproduction.py's first point (docs/mixture_of_experts.md): on 8 nodes the Mixtral-8x22B-like
     model's best breadth-first layout splits the experts over a node (ep=8), beats the Megatron-like baseline with its

@@ -70,11 +70,13 @@ class Candidate:
                             reshard_after_forward=self.reshard_after_forward)
 
     def dims(self, devices_per_node: int | None = None) -> ParallelDims:
-        """The layout as the runtime checks it (the cost-model-only sharding "optimizer" aside)."""
+        """The layout as the runtime checks it (the cost-model-only sharding "optimizer" checked as replicated
+        weights, which it keeps)."""
         return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.context_parallel
                             * self.tensor_parallel, spec=self.spec(), tensor_parallel=self.tensor_parallel,
                             context_parallel=self.context_parallel, devices_per_node=devices_per_node,
-                            sequence_parallel=self.sequence_parallel, expert_parallel=self.expert_parallel)
+                            sequence_parallel=self.sequence_parallel, expert_parallel=self.expert_parallel,
+                            sharding="none" if self.sharding == "optimizer" else self.sharding)
 
     def overrides(self, *, cluster: str | None = None, model: str | None = None,
                   batch_size: int | None = None) -> list[str]:
@@ -183,8 +185,8 @@ def candidates(
                 for sharding, sp in ((sh, sp) for sh in shardings for sp in sequence_parallels if tp > 1 or not sp):
                     for (raf, residency, cache), ep in ((v, e) for v in _fsdp_variants(sharding, lp, residencies)
                                                         for e in expert_parallels):
-                        if ep > 1 and (not model.n_experts or model.n_experts % ep or cp > 1):
-                            continue  # expert parallel needs experts it divides, and no context parallel (yet)
+                        if ep > 1 and (not model.n_experts or model.n_experts % ep):
+                            continue  # expert parallel needs experts it divides
                         c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache,
                                       expert_parallel=ep, context_parallel=cp)
                         try:

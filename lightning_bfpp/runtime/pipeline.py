@@ -24,11 +24,11 @@ from ..layout.mesh import gradient_mesh, parameter_mesh
 from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
-from .context_parallel import ContextParallel
 from .cuda_graphs import attach as attach_graphs
 from .cuda_graphs import capture_stages
 from .grad_sync import BucketedAllReduce
 from .instrument import CompileCounter, SavedActivationMeter, Timeline, local_bytes
+from .sequence_shards import ContextParallel
 
 _BATCH_NAMES = Names(replica_batch="batch")  # how a step's batch is named when it does not split into micro-batches
 

@@ -26,8 +26,8 @@ SCHEDULES = ("breadth_first", "depth_first", "gpipe", "1f1b")
 
 def grid(world: int, batch: int, num_layers: int, quick: bool = False) -> list[dict]:
     """Every legal hand-set layout (``ParallelDims.validate``: world, stages vs layers, the batch split)."""
+    from lightning_bfpp.dims import ParallelDims
     from lightning_bfpp.schedule import ScheduleError, ScheduleSpec
-    from lightning_bfpp.schedule.dims import ParallelDims
 
     pps, loops, ms = ((1, 2), (1, 2), (2, 4)) if quick else ((1, 2), (1, 2, 4), (2, 4, 8))
     schedules = ("breadth_first", "1f1b") if quick else SCHEDULES

@@ -10,8 +10,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_bfpp.dims import Names, ParallelDims
 from lightning_bfpp.schedule import ScheduleSpec
-from lightning_bfpp.schedule.dims import Names, ParallelDims
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 

@@ -1,7 +1,7 @@
 """The example model — a byte-level, nanoGPT-style GPT as a LightningModule that opts into
 bfpp through PipelineHooks. It trains the same way with or without `strategy="bfpp"`. With `n_experts` > 0 each
-block's MLP is a mixture of experts (``MoE``; model=gpt_moe_tiny) with its router's load-balancing loss, whose experts
-``BFPPStrategy(expert_parallel=N)`` splits over data-parallel ranks."""
+block's MLP is a mixture of experts with its router's load-balancing loss (``moe.py``: ``MoE``, ``Experts``;
+model=gpt_moe_tiny), whose experts ``BFPPStrategy(expert_parallel=N)`` splits over data-parallel ranks."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from moe import Experts, MoE, check_moe_settings, grouped_matmul, idle_expert_params, log_routing
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric, MetricCollection
@@ -25,12 +26,15 @@ from lightning_bfpp.modeling import (
     load_balancing_loss,
     mean_loss,
     router_loss,
-    router_stats,
     split_documents,
     step_aux_loss,
     token_positions,
 )
 from lightning_bfpp.sim import training_flops_per_token
+
+# what the app, tests, benchmarks and docs import from here (the mixture of experts' parts are moe.py's)
+__all__ = ["GPT", "GPTConfig", "OptimConfig", "Embedding", "Block", "Head", "Experts", "MoE", "grouped_matmul",
+           "lr_factor", "matmul_params", "flops_per_token", "IGNORED"]
 
 IGNORED = -100  # a target that no loss counts (prompt tokens, padding), as PyTorch's and Hugging Face's losses
 
@@ -48,6 +52,7 @@ class GPTConfig:
     # switch (strategy=auto); under bfpp examples/train.py passes it to BFPPStrategy(activation_checkpointing=)
     # instead, which checkpoints every layer of every stage, and sets this one to False.
     activation_checkpointing: bool = False
+    # mixture of experts (moe.py)
     n_experts: int = 0  # > 0: each block's MLP is a mixture of this many experts (4 x n_embd wide), top_k per token
     top_k: int = 2  # experts per token
     router_aux_loss_coef: float = 0.01  # weight of the router's load-balancing loss in the training loss (0: off)
@@ -79,64 +84,6 @@ class Embedding(nn.Module):
         0..T-1, or under context parallel this rank's tokens' positions in the whole sequence."""
         pos = token_positions(idx.shape[1], idx.device) if position_ids is None else position_ids
         return self.drop(self.tok(idx) + self.pos(pos))
-
-
-def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """rows (N, K) sorted by expert, weights (E, K, M), ends (E,): expert e's rows end at ends[e] -> (N, M). torch's
-    grouped matmul where it runs (float32 or half types; its CPU kernel wants rows of a multiple of 16 bytes), else one
-    matmul per expert."""
-    kernel = rows.dtype in (torch.float32, torch.bfloat16, torch.float16)  # (no float64 kernel: precision="64-true")
-    if hasattr(F, "grouped_mm") and kernel and all(d * rows.element_size() % 16 == 0 for d in weights.shape[1:]):
-        return F.grouped_mm(rows, weights, offs=ends.to(torch.int32))
-    starts = [0, *ends.tolist()[:-1]]
-    return torch.cat([rows[a:b] @ w for a, b, w in zip(starts, ends.tolist(), weights)])
-
-
-class Experts(nn.Module):
-    """`n_experts` MLPs (C -> 4C -> C, GELU) as stacked weights, called as transformers' fused experts are:
-    experts(x (N, C), top_k_index (N, k), top_k_weights (N, k)) -> (N, C), each token's picked experts weighted and
-    summed. bfpp's expert parallel splits such a module over data-parallel ranks (lightning_bfpp.layout.experts)."""
-
-    def __init__(self, cfg: GPTConfig, out_std: float) -> None:
-        super().__init__()
-        self.num_experts, self.out_std = cfg.n_experts, out_std
-        self.w_in = nn.Parameter(torch.empty(cfg.n_experts, cfg.n_embd, 4 * cfg.n_embd))
-        self.w_out = nn.Parameter(torch.empty(cfg.n_experts, 4 * cfg.n_embd, cfg.n_embd))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_in, std=0.02)
-        nn.init.normal_(self.w_out, std=self.out_std)  # a residual projection
-
-    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, k = top_k_index.shape
-        picks = top_k_index.reshape(-1)
-        order = torch.argsort(picks, stable=True)  # (N * k,) picks grouped by expert
-        ends = torch.bincount(picks, minlength=self.num_experts).cumsum(0)
-        h = F.gelu(grouped_matmul(x[order // k], self.w_in, ends))
-        y = grouped_matmul(h, self.w_out, ends)
-        y = torch.empty_like(y).index_copy(0, order, y)  # back in (token, pick) order
-        return (y.view(tokens, k, y.shape[-1]) * top_k_weights.unsqueeze(-1)).sum(1)
-
-
-class MoE(nn.Module):
-    """A mixture of experts in place of the MLP: each token goes to its `top_k` experts by router probability (those
-    renormalized as weights). (B, T, C) -> ((B, T, C), the routing statistics of contract.router_loss)."""
-
-    def __init__(self, cfg: GPTConfig, out_std: float) -> None:
-        super().__init__()
-        self.top_k = cfg.top_k
-        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
-        self.experts = Experts(cfg, out_std)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = x.reshape(-1, x.shape[-1])  # (B * T, C)
-        logits = self.router(h)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
-        weights, index = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
-        out = self.experts(h, index, weights).view_as(x)
-        return out, router_stats(logits, self.top_k, self.experts.num_experts)
 
 
 class Block(nn.Module):
@@ -213,9 +160,7 @@ class GPT(PipelineHooks, L.LightningModule):
                 f"attention heads of equal width); use model.n_head in {heads}, or make model.n_embd a multiple "
                 "of model.n_head."
             )
-        if cfg.n_experts and not (isinstance(cfg.top_k, int) and 1 <= cfg.top_k <= cfg.n_experts):
-            raise ValueError(f"model.top_k={cfg.top_k!r} must be between 1 and model.n_experts={cfg.n_experts} (the "
-                             "experts each token goes to).")
+        check_moe_settings(cfg)
         self.cfg, self.optim = cfg, optim or OptimConfig()
         # a mixture of experts: the router's loss through the step's totals (the whole step's routing, or each
         # micro-batch's own: BFPPStrategy(router_loss=...)); the step's totals are kept to log it (pipeline_step_logs)
@@ -337,16 +282,9 @@ class GPT(PipelineHooks, L.LightningModule):
             loss = loss + router_loss(self.head.last_stats, items, self.cfg.router_aux_loss_coef)
         return loss, items
 
-    def _log_routing(self, stats: torch.Tensor, aux: torch.Tensor, **kwargs: Any) -> None:
-        """The router loss trained (train_aux_loss) and how unevenly the batch's experts are picked (train_expert_load:
-        the busiest expert's share of the picks x n_experts; 1 is perfectly even)."""
-        picks = stats[1, :-1]
-        self.log("train_aux_loss", aux, **kwargs)
-        self.log("train_expert_load", picks.max() / picks.sum() * picks.numel(), **kwargs)
-
     def pipeline_step_logs(self) -> None:
-        if self.cfg.n_experts and self._router_totals is not None:
-            self._log_routing(self._router_totals.total("router_stats"), step_aux_loss(self._router_totals))
+        if self.cfg.n_experts and self._router_totals is not None:  # the step's routing (moe.log_routing)
+            log_routing(self, self._router_totals.total("router_stats"), step_aux_loss(self._router_totals))
 
     # ---- plain Lightning (no bfpp): the same loss under the same names ----
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -363,7 +301,7 @@ class GPT(PipelineHooks, L.LightningModule):
         output = self(x)
         self.log("train_loss", mean_loss(self._lm_loss(output, y)), prog_bar=True, sync_dist=True)  # as bfpp logs it
         if self.cfg.n_experts:
-            self._log_routing(self.head.last_stats, load_balancing_loss(self.head.last_stats), sync_dist=True)
+            log_routing(self, self.head.last_stats, load_balancing_loss(self.head.last_stats), sync_dist=True)
         return mean_loss(self.pipeline_loss(output, y))
 
     def _eval(self, batch, metrics: MetricCollection) -> torch.Tensor:
@@ -420,7 +358,5 @@ def matmul_params(model: nn.Module) -> int:
 def flops_per_token(cfg: GPTConfig, model: nn.Module) -> float:
     """Training FLOPs per token of `model` shaped by `cfg` (the simulator's formula, ``training_flops_per_token``); a
     mixture of experts counts the weights a token meets: top_k of its n_experts experts."""
-    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
-    n_experts = getattr(cfg, "n_experts", 0) or 0
-    active = matmul_params(model) - (experts * (1 - cfg.top_k / n_experts) if n_experts else 0)
+    active = matmul_params(model) - idle_expert_params(cfg, model)
     return training_flops_per_token(active, cfg.n_layer, cfg.n_embd, cfg.block_size)

@@ -27,8 +27,8 @@ _LAZY = {
     "mean_loss": "lightning_bfpp.contract.hooks",
     # the layout a BFPPStrategy argument may be, and the errors a user catches
     "AutoLayout": "lightning_bfpp.layout.auto",
-    "ParallelDims": "lightning_bfpp.schedule.dims",
-    "LayoutError": "lightning_bfpp.schedule.dims",
+    "ParallelDims": "lightning_bfpp.dims",
+    "LayoutError": "lightning_bfpp.dims",
     "StorageError": "lightning_bfpp.checkpoint",
     "StorageNames": "lightning_bfpp.checkpoint",
     # Hugging Face models (needs the [hf] extra when a model is wrapped)

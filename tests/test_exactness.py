@@ -245,7 +245,7 @@ def test_trace_of_a_measured_step_is_trace_event_json_whose_busy_time_is_the_bub
     import json
     from pathlib import Path
 
-    from lightning_bfpp.runtime.trace import busy_fractions
+    from lightning_bfpp.runtime.chrome_trace import busy_fractions
 
     ranks = runs(2)[next(i for i, c in enumerate(WORLD2) if c.get("timeline_trace"))]
     (path,) = map(Path, ranks[0]["traces"])

@@ -1,14 +1,16 @@
 """Import rules between the package's parts, read from the modules' own import statements (no imports run).
 
-The parts, each a folder of ``lightning_bfpp/`` whose ``__init__`` says what it may import; each may import only
-the parts listed before it: schedule (pure Python) <- sim (pure Python) <- contract <- _private <- layout <- runtime
-<- adapter; checkpoint and job over _private; hf over contract, layout and checkpoint; data over contract and job; the
-strategy and the package face over everything.
+The parts, each a folder of ``lightning_bfpp/`` whose ``__init__`` says what it may import (or, for ``dims``, a
+module whose docstring says it); each may import only the parts listed before it: schedule (pure Python) <- dims (pure
+Python: the layout's one owner) <- sim (pure Python) <- contract <- _private <- layout <- runtime <- adapter;
+checkpoint and job over _private; hf over contract, layout and checkpoint; data over contract and job; the strategy
+and the package face over everything. ``schedule/dims.py`` is the old path of ``dims``: a re-export, nothing more.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import sys
 from pathlib import Path
 
@@ -21,23 +23,29 @@ P = "lightning_bfpp."
 # part -> the parts of the package it may import (besides itself)
 PARTS = {
     "schedule": (),
-    "sim": ("schedule",),
+    "dims": ("schedule",),
+    "sim": ("schedule", "dims"),
     "contract": (),
-    "_private": ("schedule", "contract"),
-    "layout": ("schedule", "sim", "contract", "_private"),
-    "runtime": ("schedule", "contract", "layout", "_private"),
-    "adapter": ("schedule", "sim", "contract", "layout", "runtime", "_private"),
+    "_private": ("schedule", "dims", "contract"),
+    "layout": ("schedule", "dims", "sim", "contract", "_private"),
+    "runtime": ("schedule", "dims", "contract", "layout", "_private"),
+    "adapter": ("schedule", "dims", "sim", "contract", "layout", "runtime", "_private"),
     "checkpoint": ("_private",),
     "job": ("_private", "checkpoint"),
     "hf": ("contract", "layout", "checkpoint"),
     "data": ("contract", "job"),
 }
 # pure parts: besides the standard library and the parts above, only these third-party packages
-PURE = {"schedule": (), "sim": ("matplotlib", "yaml")}
+PURE = {"schedule": (), "dims": (), "sim": ("matplotlib", "yaml")}
 # part -> third-party packages it must not import
 FORBIDDEN = {"runtime": ("lightning",)}
 # the modules at the package's top (the face and the strategy); anything else belongs in a part's folder
 TOP = {"__init__.py", "strategy.py", "modeling.py"}  # modeling.py: the model contract's public names
+# parts that are one module at the package's top, not a folder (dims.py: the parallel layout, as torchtitan's
+# distributed/parallel_dims.py)
+MODULE_PARTS = {"dims"}
+# old module paths kept importable: old -> the one module it re-exports (it may import that module and nothing else)
+REEXPORTS = {"lightning_bfpp.schedule.dims": "lightning_bfpp.dims"}
 
 
 def module_name(path: Path) -> str:
@@ -87,6 +95,8 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     allowed = (P + part, *(P + p for p in PARTS[part]))
     bad = []
     for name in imported(source, module, is_package):
+        if REEXPORTS.get(module) == name:
+            continue
         top = name.split(".")[0]
         if name.startswith(P) or name == "lightning_bfpp":
             if not _under(name, allowed):
@@ -119,15 +129,57 @@ def test_the_check_sees_relative_lazy_and_plain_imports():
     assert violations("from ..adapter.steps import s\n", "lightning_bfpp.layout.stages") == [
         "lightning_bfpp.adapter.steps"]
     assert violations("from ..adapter import steps\n", "lightning_bfpp.strategy") == []
+    # the layout's owner sits over the schedule only; only the schedule's old path may import it back
+    assert violations("from ..dims import ParallelDims\n", "lightning_bfpp.schedule.lower") == ["lightning_bfpp.dims"]
+    assert violations("from lightning_bfpp.dims import PP\n", "lightning_bfpp.schedule.dims") == []
+    assert violations("from .sim import cost\nimport torch\n", "lightning_bfpp.dims") == [
+        "lightning_bfpp.sim", "torch"]
+    assert violations("from .schedule.actions import ScheduleSpec\n", "lightning_bfpp.dims") == []
 
 
 def test_every_part_says_what_it_is_and_what_it_may_import():
     for part in PARTS:
-        doc = ast.get_docstring(ast.parse((PKG / part / "__init__.py").read_text())) or ""
-        assert "May import" in doc, f"lightning_bfpp/{part}/__init__.py: say what the folder is and what it may import"
+        file = f"{part}.py" if part in MODULE_PARTS else f"{part}/__init__.py"
+        doc = ast.get_docstring(ast.parse((PKG / file).read_text())) or ""
+        assert "May import" in doc, f"lightning_bfpp/{file}: say what the part is and what it may import"
     folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
-    assert folders == set(PARTS), f"folders {folders ^ set(PARTS)}: add the folder's rule to PARTS"
-    assert {p.name for p in PKG.glob("*.py")} == TOP, "a module at the package's top: does it belong in a part?"
+    expected = set(PARTS) - MODULE_PARTS
+    assert folders == expected, f"folders {folders ^ expected}: add the folder's rule to PARTS"
+    modules = TOP | {f"{m}.py" for m in MODULE_PARTS}
+    assert {p.name for p in PKG.glob("*.py")} == modules, "a module at the package's top: does it belong in a part?"
+
+
+@pytest.mark.parametrize("old", sorted(REEXPORTS))
+def test_an_old_module_path_only_re_exports_the_new_module(old):
+    """The old path holds a docstring, imports of the new module's names, and ``__all__``: no code of its own."""
+    new = REEXPORTS[old]
+    path = PKG.parent.joinpath(*old.split(".")).with_suffix(".py")
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree) or ""
+    assert "old path" in doc and new in doc, f"{old}: say that it is the old path of {new}"
+    for node in tree.body[1:]:
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue
+        if isinstance(node, ast.ImportFrom):
+            assert node.module == new and not node.level, f"{old} imports {ast.unparse(node)}, not only {new}"
+        else:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            assert [getattr(t, "id", None) for t in targets] == ["__all__"], f"{old}: code besides the re-export"
+    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+    names = set(old_module.__all__)
+    assert {n for n in vars(old_module) if not n.startswith("_") and n != "annotations"} == names
+    assert all(getattr(old_module, n) is getattr(new_module, n) for n in names)
+
+
+def test_the_old_dims_path_gives_the_same_objects():
+    import lightning_bfpp
+    import lightning_bfpp.dims
+    import lightning_bfpp.schedule.dims
+
+    assert lightning_bfpp.schedule.dims.ParallelDims is lightning_bfpp.dims.ParallelDims
+    assert lightning_bfpp.schedule.dims.LayoutError is lightning_bfpp.dims.LayoutError
+    assert lightning_bfpp.ParallelDims is lightning_bfpp.dims.ParallelDims
+    assert lightning_bfpp.LayoutError is lightning_bfpp.dims.LayoutError
 
 
 def _graph() -> dict[str, set[str]]:
@@ -177,13 +229,20 @@ def _run(code: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("package", ["lightning_bfpp", "lightning_bfpp.schedule", "lightning_bfpp.sim",
+@pytest.mark.parametrize("package", ["lightning_bfpp", "lightning_bfpp.schedule", "lightning_bfpp.dims",
+                                     "lightning_bfpp.schedule.dims", "lightning_bfpp.sim",
                                      "lightning_bfpp.sim.calibration", "lightning_bfpp.contract"])
 def test_pure_packages_import_neither_lightning_nor_torch_distributed(package):
     loaded = _run(f"import sys, {package}\nprint(' '.join(sorted(sys.modules)))").split()
     heavy = [m for m in loaded
              if _under(m, ("lightning", "pytorch_lightning", "torch.distributed", "lightning_bfpp.strategy"))]
     assert not heavy, f"import {package} loads {heavy[:5]}"
+
+
+def test_the_schedule_and_the_layout_load_no_torch():
+    loaded = _run("import sys, lightning_bfpp.schedule, lightning_bfpp.dims, lightning_bfpp.schedule.dims\n"
+                  "print(' '.join(sorted(sys.modules)))").split()
+    assert not [m for m in loaded if _under(m, ("torch", "lightning"))], "the schedule and dims.py are pure Python"
 
 
 @pytest.mark.parametrize("order", ["lightning_bfpp first", "lightning first"])
@@ -203,9 +262,10 @@ def test_without_importing_lightning_bfpp_there_is_no_bfpp_strategy():  # the tw
     assert _run(code).split()[-1] == "False"
 
 
-# The one owner of the mesh (schedule/dims.py: sizes, names, rank <-> coordinates) and the one builder of it
-# (layout/mesh.py): nothing else computes where a rank sits in the mesh, builds a mesh, or names a mesh dimension.
-MESH_OWNER, MESH_BUILDER = "lightning_bfpp.schedule.dims", "lightning_bfpp.layout.mesh"
+# The one owner of the mesh (dims.py: sizes, names, rank <-> coordinates) and the one builder of it (layout/mesh.py):
+# nothing else computes where a rank sits in the mesh, builds a mesh, or names a mesh dimension (schedule/dims.py, the
+# old path, is a re-export: the rules hold for it as for any other module).
+MESH_OWNER, MESH_BUILDER = "lightning_bfpp.dims", "lightning_bfpp.layout.mesh"
 MESH_SIZES = {"data_parallel", "tensor_parallel", "context_parallel", "dp", "tp", "cp",  # (pipeline: the schedule's)
               "expert_parallel", "expert_data_parallel", "ep"}
 MESH_CONSTRUCTORS = {"init_device_mesh", "DeviceMesh", "from_group", "_unflatten", "_flatten"}
@@ -241,7 +301,7 @@ def mesh_rules_broken(source: str, module: str) -> list[str]:
         elif isinstance(node, ast.Subscript) and module != MESH_OWNER:
             key = node.slice
             if isinstance(key, ast.Constant) and key.value in MESH_DIMENSIONS:
-                found.append(f"line {node.lineno}: names a mesh dimension ({ast.unparse(node)}; use schedule.dims' "
+                found.append(f"line {node.lineno}: names a mesh dimension ({ast.unparse(node)}; use dims.py's "
                              "names)")
     return found
 

@@ -1,7 +1,7 @@
 """Examples/train.py's preflight — the rules of the app's own Hydra keys (cluster, data, model, optim,
 trainer), checked in the launching process before the Trainer starts any process. Each error names the key,
 its value, the rule and a fix. The layout (world, schedule knobs, layers, batch) is checked by the library's
-own rules (lightning_bfpp.schedule.dims.ParallelDims) in the app's key names; stage_layers and the model's
+own rules (lightning_bfpp.dims.ParallelDims) in the app's key names; stage_layers and the model's
 layers by BFPPStrategy's launcher, and `ckpt_path` by its launcher."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_bfpp.data.settings import PACKINGS
+from lightning_bfpp.dims import Names, ParallelDims, ScheduleSpec
 from lightning_bfpp.layout.fsdp import check_shard_unit
 from lightning_bfpp.schedule import SCHEDULES
 from lightning_bfpp.schedule.checks import is_count
-from lightning_bfpp.schedule.dims import Names, ParallelDims, ScheduleSpec
 
 POSITIVE = ("cluster.devices", "cluster.num_nodes", "data.batch_size", "data.block_size", "data.max_bytes",
             "model.n_layer", "model.n_embd", "model.block_size", "model.vocab_size")

@@ -2,5 +2,5 @@
 tested on (``versions``): Lightning's launcher and metric internals (``lightning_api``), torch's store and DTensor
 internals (``torch_api``), torch.distributed.pipelining's schedule runtime (``pipelining``).
 
-May import: ``schedule`` and ``contract`` (nothing above them).
+May import: ``schedule``, ``dims`` and ``contract`` (nothing above them).
 """

@@ -3,5 +3,5 @@ its collectives (``collectives``), precision and gradient hand-over to Lightning
 ``handover``), the loader checks (``same_batch``, ``loader``), NaN handling (``nonfinite``), the reporting
 callbacks (``metrics``, ``trace``) and Lightning's own output made true of a bfpp run (``lightning_output``).
 
-May import: ``schedule``, ``sim``, ``contract``, ``layout``, ``runtime``, ``_private``.
+May import: ``schedule``, ``dims``, ``sim``, ``contract``, ``layout``, ``runtime``, ``_private``.
 """

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .._private.lightning_api import all_gather_if_distributed, sync_if_distributed
-from ..schedule.dims import DP
+from ..dims import DP
 
 
 class ReplicaCollectives:

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from .._private.lightning_api import CHECKPOINT_CONNECTOR_LOGGER, model_summary_settings
-from ..schedule.dims import ParallelDims
+from ..dims import ParallelDims
 
 WEIGHTS_ONLY_DEFAULT = "`weights_only` was not set, defaulting to `False`."  # Lightning's dump_checkpoint
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..dims import LayoutError, Names
 from ..layout.plan import LayoutPlan
-from ..schedule.dims import LayoutError, Names
 
 
 def ragged_tail(dataloader: object) -> int:

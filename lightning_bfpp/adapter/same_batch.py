@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from ..dims import ParallelDims
 from ..runtime.instrument import gather_rows
-from ..schedule.dims import ParallelDims
 
 REL_TOL = 1e-9  # float64 sums of identical tensors agree exactly; this only absorbs a reduction's order
 

@@ -1,6 +1,6 @@
 """``PipelineTrace``: what a measured training step did on every rank, as files a user opens — a Chrome/Perfetto trace
-(``runtime.trace``: compute passes, sends, receives, gathers, reductions) and a Gantt picture of the measured step
-under the planned one (the schedule simulated at the stage times the step measured) — saved in a folder and logged
+(``runtime.chrome_trace``: compute passes, sends, receives, gathers, reductions) and a Gantt picture of the measured
+step under the planned one (the schedule simulated at the stage times the step measured) — saved in a folder and logged
 to W&B."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ..runtime.trace import chrome_trace, rank_record
+from ..runtime.chrome_trace import chrome_trace, rank_record
 from ..schedule import Schedule
 from ..sim import Costs, Event, SimResult, StageCost, evaluate
 from ..sim.draw import draw_measured

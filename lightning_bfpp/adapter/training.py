@@ -20,11 +20,11 @@ import torch
 from lightning.pytorch import LightningModule
 
 from ..contract.hooks import training_batch
+from ..dims import ParallelDims
 from ..layout.tensor_parallel import grads_like_params
 from ..runtime.measure import check_every_n_steps, measure_now, step_stats
 from ..runtime.pipeline import PipelineRunner, batch_rows
 from ..runtime.reduce import share_loss
-from ..schedule.dims import ParallelDims
 from .handover import GradHandover
 from .nonfinite import NonfiniteLoss
 

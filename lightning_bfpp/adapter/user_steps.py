@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..schedule.dims import DP, PP
+from ..dims import DP, PP
 from .same_batch import check_same_batch
 from .steps import run_on_last_stage, user_step
 

@@ -1,8 +1,8 @@
 """Hugging Face causal language models (GPT-2, and the Llama family: any model whose config has a
 `base_model_pp_plan`) as a pipelinable LightningModule, ``CausalLM``, that keeps the model's own parameter names. Its
 layers come from ``layers``, what the model's own forward adds around them (position ids, rotary cos/sin, masks) from
-``side_inputs``; it checks once, at construction, that the layers reproduce the model's own logits (``checks``), and
-refuses a model they do not. Needs `pip install lightning-bfpp[hf]`; nothing is downloaded."""
+``side_inputs``; it checks once, at construction, that the layers reproduce the model's own logits
+(``wrap_checks``), and refuses a model they do not. Needs `pip install lightning-bfpp[hf]`; nothing is downloaded."""
 from __future__ import annotations
 
 import os
@@ -23,13 +23,13 @@ from ..contract.router_loss import load_balancing_loss, router_loss, step_aux_lo
 from ..contract.step_totals import active_step_totals
 from ..layout.materialize import has_meta_tensors, seeded_init
 from . import lora
-from .checks import check_layers_reproduce, check_meta_buffers, check_router_loss
-from .context_parallel import splits_sequence
+from .cp_attention import splits_sequence
 from .layers import causal_lm_layers
 from .pretrained import HUB_KWARGS, SafetensorsWeights, build_on_meta, local_directory, stored_names
 from .routing import routed_layers, router_coef
 from .side_inputs import causal_lm_side_inputs
-from .tensor_parallel import hf_layer_plan
+from .tp_plan import hf_layer_plan
+from .wrap_checks import check_layers_reproduce, check_meta_buffers, check_router_loss
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +189,7 @@ class CausalLM(PipelineHooks, LightningModule):
 
     def pipeline_context_parallel(self, layer_name: str, layer: nn.Module, context_parallel: int) -> bool:
         """Every layer runs on a shard of each sequence when the model attends through transformers' attention
-        interface: bfpp then routes it through its own attention function (``hf.context_parallel``), the model's own
+        interface: bfpp then routes it through its own attention function (``hf.cp_attention``), the model's own
         implementation outside context parallel. Raises naming why a decoder layer cannot."""
         return splits_sequence(self.hf_model, layer)
 

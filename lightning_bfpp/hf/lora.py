@@ -102,7 +102,7 @@ def lora_config(settings: Mapping[str, Any]) -> Any:
                       lora_dropout=float(settings.get("dropout") or 0.0), task_type="CAUSAL_LM")
 
 
-# The tensor-parallel split of a LoRA-adapted projection (y = base(x) + B(A(x)) x scale), kinds for hf.tensor_parallel:
+# The tensor-parallel split of a LoRA-adapted projection (y = base(x) + B(A(x)) x scale), kinds for hf.tp_plan:
 # a column-wise base splits B by outputs as well, A kept whole (LORA_WHOLE_INPUT: a replicated DTensor, its gradient
 # summed over tp by DTensor, each rank's from its own outputs); a row-wise base splits A by inputs as well (its output
 # summed as the base's), B kept whole on the summed output (LORA_AFTER_SUM: under sequence parallel a sequence shard,

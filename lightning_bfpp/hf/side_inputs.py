@@ -12,7 +12,7 @@ from torch import nn
 
 from ..contract.context_parallel import causal_mask, current, token_positions
 from ..contract.documents import document_causal_mask, document_positions, split_documents
-from .context_parallel import check_attention_routed, own_implementation
+from .cp_attention import check_attention_routed, own_implementation
 from .layers import attention_types, base_model
 
 # attention kernels that are causal (and windowed, from the layer's own `sliding_window`) without a mask
@@ -49,7 +49,7 @@ def causal_lm_side_inputs(model: nn.Module, inputs: Any) -> dict[str, Any]:
     or (input ids, document ids) of packed documents: positions then restart at each document and attention stays
     within it (``contract.documents``). Under context parallel they are this rank's shard: positions are its tokens' in
     the whole sequence and masks are over the keys its attention gathers (bfpp's attention function,
-    ``hf.context_parallel``, attends over them)."""
+    ``hf.cp_attention``, attends over them)."""
     input_ids, document_ids = split_documents(inputs)
     seq, device, dtype = input_ids.shape[1], input_ids.device, torch.get_default_dtype()
     position_ids = (token_positions(seq, device).unsqueeze(0) if document_ids is None  # (1, T)

@@ -5,5 +5,5 @@ stage (``stage_inputs``), the placeholders of other ranks' layers (``remote``); 
 styles beyond torch's: ``tp_styles``), FSDP2 and tied-weight copies (``tensor_parallel``, ``fsdp``, ``tied``,
 ``stages``).
 
-May import: ``schedule``, ``sim``, ``contract``, ``_private``.
+May import: ``schedule``, ``dims``, ``sim``, ``contract``, ``_private``.
 """

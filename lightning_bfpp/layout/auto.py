@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dims import LayoutError, ParallelDims, divisors
 from ..schedule import SCHEDULES, ScheduleSpec
-from ..schedule.dims import LayoutError, ParallelDims, divisors
 from ..sim import Cluster, Layers, SimOptions, WireBytes, build_costs, simulate
 from ..sim.planner import DEFAULT_LOOPS, Candidate, Plan, candidate_schedule, search
 from .layer_cost import _tensors, measure_layer_times, time_balanced_stage_layers

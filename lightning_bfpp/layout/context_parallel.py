@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..schedule.dims import LayoutError
+from ..dims import LayoutError
 from .names import layer_names
 
 HOOK = "pipeline_context_parallel"

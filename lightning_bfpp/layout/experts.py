@@ -1,5 +1,5 @@
 """Expert parallel: the experts of every mixture-of-experts layer split over `expert_parallel` ranks of the
-data-parallel group (``schedule.dims``: ep inside dp), as torchtitan and Megatron-Core split them. Each rank keeps
+data-parallel group (``dims``: ep inside dp), as torchtitan and Megatron-Core split them. Each rank keeps
 1/ep of every experts module's weights (a DTensor sharded on the experts' mesh, so checkpoints keep the model's own
 names and shapes and reshard between layouts); a call sends each token's picks to the ranks owning the picked experts
 and brings their outputs back (``expert_dispatch``: all-to-all, uneven splits, nothing dropped); the experts' copies
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedule.dims import EDP, EP
+from ..dims import EDP, EP
 from .expert_dispatch import ExpertParallelForward
 
 INTERFACE = ("a module with an integer `num_experts` whose own parameters all have the experts as their first "

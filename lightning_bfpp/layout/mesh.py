@@ -1,4 +1,4 @@
-"""The DeviceMeshes of a layout (their shapes and names are ``schedule.dims.ParallelDims``': the model's, and with
+"""The DeviceMeshes of a layout (their shapes and names are ``dims.ParallelDims``': the model's, and with
 expert parallel the experts') and the process groups over them, built once per process."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..schedule.dims import DP, DP_CP, ParallelDims
+from ..dims import DP, DP_CP, ParallelDims
 
 # Process groups built under the current default group, by what they are: every Trainer run in a long-lived
 # process (a notebook, an in-process sweep, a benchmark running many fits) reuses them instead of creating new

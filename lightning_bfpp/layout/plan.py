@@ -1,6 +1,6 @@
 """The strategy's layout as it gets decided — the settings as given (checked before any process starts), then
 the world size, then the model's layer count and, for layout="auto", the planner's pick — each step checked by the
-one set of rules in ``schedule.dims``; the training schedule built for it."""
+one set of rules in ``dims``; the training schedule built for it."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,9 +10,9 @@ from typing import Any, Literal
 
 from ..contract.hooks import built_in_configure_model
 from ..contract.router_loss import ROUTER_LOSSES
+from ..dims import Names, ParallelDims, default_pipeline_parallel
 from ..schedule import Schedule, ScheduleSpec, build_schedule
 from ..schedule.checks import is_count
-from ..schedule.dims import Names, ParallelDims, default_pipeline_parallel
 from .auto import KNOBS, AutoLayout, decide, sample_inputs
 from .context_parallel import check_context_parallel
 from .cut import check_stage_layers, plan_stages
@@ -74,7 +74,7 @@ class LayoutPlan:
                             groups=_given(groups, 1), micro_batches=m,
                             reshard_after_forward=bool(_given(reshard_after_forward, False)))
         sharding = _given(sharding, "full")  # (None: not given; 0, "" and other values are checked as given)
-        # Bad settings fail here, before any process starts: the layout's rules (``schedule.dims``) with the world
+        # Bad settings fail here, before any process starts: the layout's rules (``dims``) with the world
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
         # the least world

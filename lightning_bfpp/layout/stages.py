@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedule.dims import PP, TP, ParallelDims
+from ..dims import PP, TP, ParallelDims
 from .cut import split_stages
 from .experts import distribute_experts, shard_experts
 from .fsdp import shard_stage, stage_mixed_precision

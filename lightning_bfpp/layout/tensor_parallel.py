@@ -1,5 +1,5 @@
 """Tensor parallel inside the pipeline stages (its layout rule, tp innermost within one node, is in
-``schedule.dims``). The model's per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name)
+``dims``). The model's per-layer plan (``pipeline_tp_plan``: torch ParallelStyles by submodule name)
 checked before launch, and its application to each local stage's layers (torch's parallelize_module over the
 tp mesh) before FSDP shards the stage over data parallel. What crosses stages: the whole activation, or with
 sequence parallel each tp rank's sequence shard (B, T/tp, ...): plans then start and end layers on shards."""
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..schedule.dims import TP, Names, ParallelDims
+from ..dims import TP, Names, ParallelDims
 from .names import layer_names
 
 HOOK = "pipeline_tp_plan"

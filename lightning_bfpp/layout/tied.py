@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..schedule.dims import ParallelDims
+from ..dims import ParallelDims
 from .mesh import local_tensor, shared_group
 
 

@@ -2,5 +2,5 @@
 data-parallel gradient reduction (``grad_sync``), values and norms reduced over the mesh (``reduce``), and what a
 step measures (``instrument``, ``measure``). Device-agnostic; no Lightning.
 
-May import: ``schedule``, ``contract``, ``layout``, ``_private``.
+May import: ``schedule``, ``dims``, ``contract``, ``layout``, ``_private``.
 """

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._private.pipelining import on_micro_batch
 from .._private.torch_api import check_compile
-from ..schedule.dims import ParallelDims
+from ..dims import ParallelDims
 
 SETTING = "cuda_graphs=True (Hydra: schedule.cuda_graphs=true)"
 

@@ -19,16 +19,16 @@ from ..contract.context_parallel import sharding
 from ..contract.hooks import loss_parts
 from ..contract.layer_io import BOUNDARY_RULE
 from ..contract.step_totals import StepTotals, step_totals
+from ..dims import CP, PP, Names, ParallelDims, micro_batch_size
 from ..layout.mesh import gradient_mesh, parameter_mesh
 from ..layout.stage_inputs import input_kwargs
 from ..layout.tensor_parallel import check_sequence_length
 from ..schedule import Schedule, build_schedule
-from ..schedule.dims import CP, PP, Names, ParallelDims, micro_batch_size
-from .context_parallel import ContextParallel
 from .cuda_graphs import attach as attach_graphs
 from .cuda_graphs import capture_stages
 from .grad_sync import BucketedAllReduce
 from .instrument import CompileCounter, SavedActivationMeter, Timeline, local_bytes
+from .sequence_shards import ContextParallel
 
 _BATCH_NAMES = Names(replica_batch="batch")  # how a step's batch is named when it does not split into micro-batches
 

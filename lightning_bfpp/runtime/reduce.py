@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..dims import PP, TP, ParallelDims
 from ..layout.mesh import gradient_mesh, local_tensor
 from ..layout.tensor_parallel import sum_over_tp, tp_sharded
-from ..schedule.dims import PP, TP, ParallelDims
 from .pipeline import StepLoss
 
 

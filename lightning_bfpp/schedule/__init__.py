@@ -1,6 +1,7 @@
 """Pipeline schedules as data: generate, lower, validate (pure Python).
 
-May import: nothing else of the package, no third-party package (the standard library only).
+May import: nothing else of the package, no third-party package (the standard library only). (``dims.py`` here is
+the old path of ``lightning_bfpp.dims``, the layout's owner: a re-export of it that nothing in the folder imports.)
 
 Examples:
     >>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule

@@ -1,7 +1,8 @@
 """Cost model, step simulator and layout planner over the schedules of `lightning_bfpp.schedule`, and the
 calibrated-cluster format (``calibration``).
 
-May import: ``schedule``; matplotlib (pictures) and PyYAML (cluster files) besides the standard library.
+May import: ``schedule``, ``dims`` (the layout); matplotlib (pictures) and PyYAML (cluster files) besides the standard
+library.
 
 Examples:
     >>> from lightning_bfpp.schedule import ScheduleSpec, build_schedule

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import NamedTuple
 
+from ..dims import EDP, EP, ParallelDims
 from ..schedule.actions import ScheduleSpec
-from ..schedule.dims import EDP, EP, ParallelDims
 from ..schedule.stage_cut import balanced_stage_layers
 from .cluster import Cluster
 from .model import ACT_BYTES, Layers, Model, WireBytes
@@ -142,7 +142,7 @@ def build_costs(
 
     `activation_bytes`: bytes per element of the p2p activations/gradients (None: the layers' `wire.messages`; 2:
     bf16, 4: a 32-true run). FSDP collectives move the layers' `wire.weights` / `wire.grads` bytes per parameter.
-    NOTE: ranks are laid out as the runtime's mesh (``schedule.dims.ParallelDims``: tp innermost), so a tp group is
+    NOTE: ranks are laid out as the runtime's mesh (``dims.ParallelDims``: tp innermost), so a tp group is
     one node's consecutive ranks, a dp group is tp ranks apart and pipeline neighbours dp*tp apart.
     Tensor-parallel collectives run on the in-node links on the compute's critical path (as the runtime's);
     activations cross stages whole, each tp rank sending to its counterpart, or (sequence parallel) as each

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from ..dims import ParallelDims, divisors
 from ..schedule import (
     BREADTH_FIRST,
     LOOPED_SCHEDULES,
@@ -22,7 +23,6 @@ from ..schedule import (
     compute_order,
     lower,
 )
-from ..schedule.dims import ParallelDims, divisors
 from .cluster import Cluster
 from .cost import Costs, build_costs, state_bytes
 from .model import Model
@@ -169,7 +169,7 @@ def candidates(
                        for p in divisors(world // (t * c))):
         if not min_pipeline_parallel <= pp <= (max_pipeline_parallel or world):
             continue
-        try:  # the layout's own rules (schedule.dims): tp within a node, a layer per rank, the batch over dp
+        try:  # the layout's own rules (lightning_bfpp.dims): tp within a node, a layer per rank, the batch over dp
             dims = ParallelDims(world=world, devices_per_node=cluster.devices, tensor_parallel=tp, context_parallel=cp,
                                 spec=ScheduleSpec(pipeline_parallel=pp)).validate(num_layers=model.num_layers,
                                                                                   global_batch=batch_size,

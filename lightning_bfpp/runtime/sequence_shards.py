@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._private.ring_attention import GATHER, NAME, ring_attention, ring_available
 from ..contract.context_parallel import SEQUENCE_DIM, SequenceShard
-from ..schedule.dims import CP
+from ..dims import CP
 
 
 class ContextParallel:

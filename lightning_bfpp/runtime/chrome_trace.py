@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..schedule.dims import ParallelDims
+from ..dims import ParallelDims
 from .instrument import Timeline
 
 KINDS = {"F": "forward", "B": "backward", "I": "input pass", "W": "weight pass", "UNSHARD": "all-gather",

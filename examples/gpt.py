@@ -229,7 +229,7 @@ class GPT(PipelineHooks, L.LightningModule):
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        from lightning_bfpp.layout.tensor_parallel import (
+        from lightning_bfpp.modeling import (
             replicated_output,
             sequence_gather,
             sequence_parallel_norm,

@@ -11,7 +11,11 @@ A LightningModule becomes pipelinable through ``PipelineHooks``; its layers may 
   statistics), ``router_loss`` (the loss a micro-batch trains, read from the step's totals in backward),
   ``load_balancing_loss`` (the loss of given statistics), ``active_step_totals`` (the step's totals; None outside
   a pipelined step) and ``step_aux_loss`` (the router loss a step trained, from its totals: to log it);
-- **counted losses**: ``mean_loss`` turns a ``(loss_sum, num_items)`` pair into its mean.
+- **counted losses**: ``mean_loss`` turns a ``(loss_sum, num_items)`` pair into its mean;
+- **a tensor-parallel plan** (``pipeline_tp_plan``) beside torch's ``ColwiseParallel`` / ``RowwiseParallel``:
+  ``sequence_parallel_norm`` (a norm on the rank's sequence shard), ``sequence_gather`` / ``sequence_scatter``
+  (whole sequence from / to shards at a module's input or output) and ``replicated_output`` (a module's output made
+  whole on every tensor-parallel rank).
 
 The example GPT (``examples/gpt.py``) uses each of them. Their definitions live in ``lightning_bfpp.contract``; the
 names here are the stable ones.
@@ -24,7 +28,9 @@ from .contract.documents import document_causal_mask, document_positions, split_
 from .contract.hooks import PipelineHooks, mean_loss
 from .contract.router_loss import load_balancing_loss, router_loss, router_stats, step_aux_loss
 from .contract.step_totals import active_step_totals
+from .layout.tensor_parallel import replicated_output, sequence_gather, sequence_parallel_norm, sequence_scatter
 
 __all__ = ["PipelineHooks", "active_step_totals", "attention", "document_causal_mask", "document_positions",
-           "load_balancing_loss", "mean_loss", "router_loss", "router_stats", "split_documents", "step_aux_loss",
+           "load_balancing_loss", "mean_loss", "replicated_output", "router_loss", "router_stats",
+           "sequence_gather", "sequence_parallel_norm", "sequence_scatter", "split_documents", "step_aux_loss",
            "token_positions"]

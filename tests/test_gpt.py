@@ -126,3 +126,19 @@ def test_flops_per_token_is_the_simulators_formula_on_the_built_model(tied):
     assert matmul_params(model) == 12 * h * h * cfg.n_layer + v * h  # q, k, v, proj, MLP (4h, back) per block; head
     want = Model(cfg.n_layer, cfg.n_head, h, cfg.block_size, v).flops_per_token()
     assert flops_per_token(cfg, model) == want == 6 * matmul_params(model) + 12 * cfg.n_layer * h * cfg.block_size
+
+
+def test_the_example_model_imports_public_names_only():
+    """examples/gpt.py and examples/moe.py, the model a user copies, reach bfpp through its public modules only (the
+    package's top level, ``modeling``, ``sim``), never an internal path."""
+    import ast
+    from pathlib import Path
+
+    public = {"lightning_bfpp", "lightning_bfpp.modeling", "lightning_bfpp.sim"}
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    for name in ("gpt.py", "moe.py"):
+        tree = ast.parse((examples / name).read_text())
+        used = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        bfpp = {m for m in used if m.split(".")[0] == "lightning_bfpp"}
+        assert bfpp and bfpp <= public, (name, sorted(bfpp - public))

@@ -352,3 +352,29 @@ def test_signal_grace_follows_the_launcher(monkeypatch):
     slurm = SLURMEnvironment()
     assert default_grace_s(signal.SIGTERM, slurm, signal.SIGUSR1) == 25
     assert default_grace_s(signal.SIGUSR1, slurm, signal.SIGUSR1) == 60
+
+
+def test_optional_hooks_are_documented_methods_used_only_where_defined():
+    """PipelineHooks documents each optional hook as a method (help() and docs/api.md show it); a module that does
+    not define its own is treated as having none (no training metrics kept, tensor and context parallel refused by
+    name), one that defines it (a subclass, or a duck-typed module) has it."""
+    from lightning_bfpp import PipelineHooks
+    from lightning_bfpp.contract.hooks import defined_hook
+
+    hooks = ("pipeline_train_metrics", "pipeline_step_logs", "pipeline_tp_plan", "pipeline_context_parallel")
+    assert all(getattr(PipelineHooks, h).__doc__ for h in hooks)
+
+    class Plain(PipelineHooks, nn.Module):
+        pass
+
+    class Own(Plain):
+        def pipeline_train_metrics(self, output, target):
+            return None
+
+    class DuckTyped(nn.Module):
+        def pipeline_tp_plan(self, layer_name, layer, tensor_parallel, sequence_parallel=False):
+            return None
+
+    assert all(defined_hook(Plain(), h) is None for h in hooks)
+    assert defined_hook(Own(), "pipeline_train_metrics") is not None and defined_hook(Own(), "pipeline_tp_plan") is None
+    assert defined_hook(DuckTyped(), "pipeline_tp_plan") is not None

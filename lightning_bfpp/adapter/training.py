@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
-from ..contract.hooks import training_batch
+from ..contract.hooks import defined_hook, training_batch
 from ..dims import ParallelDims
 from ..layout.tensor_parallel import grads_like_params
 from ..runtime.measure import check_every_n_steps, measure_now, step_stats
@@ -59,7 +59,7 @@ class TrainingStep:
         if self._params is None:  # walking the module tree costs more than the rest of a small step's bookkeeping
             self._params = list(module.parameters())
         params = [p for p in self._params if p.requires_grad]  # (a callback may freeze or unfreeze layers)
-        train_metrics = getattr(module, "pipeline_train_metrics", None)
+        train_metrics = defined_hook(module, "pipeline_train_metrics")
         self.measured_step = measure = measure_now(module.trainer, self.measure_every_n_steps)
         check_batch((inputs, target), measure)
         # Lightning zeroes grads between training_step and backward: park the fresh ones until backward.
@@ -81,8 +81,8 @@ class TrainingStep:
         if callable(train_metrics):
             with torch.no_grad():
                 on_last_stage(lambda: train_metrics(outputs, target))
-        step_logs = getattr(module, "pipeline_step_logs", None)
-        if callable(step_logs):
+        step_logs = defined_hook(module, "pipeline_step_logs")
+        if step_logs is not None:
             with torch.no_grad():
                 on_last_stage(step_logs)
         # the shared loss: on a NaN/inf every rank takes this branch together, before the optimizer step

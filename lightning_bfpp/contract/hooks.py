@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -60,32 +60,14 @@ class PipelineHooks:
         rotary cos/sin, an attention mask), computed once per micro-batch on every stage from that micro-batch's
         ``inputs``; each layer whose ``forward`` takes a keyword of that name (or ``**kwargs``) receives it, so
         layers such as Hugging Face decoder layers are listed as they are. Nothing of it crosses stages.
-        ``pipeline_train_metrics(output, target)``: called once per training step on the rank(s) holding the last
-        stage, with the step's last-stage output (micro-batches concatenated, detached) and target; what it logs
-        with ``self.log`` reaches every rank, as from ``training_step``. Defining it keeps those outputs until the
-        step ends (for a language model: the logits of the whole batch).
-        ``pipeline_step_logs()``: called once per training step, after its backward, on the rank(s) holding the last
-        stage; what it logs with ``self.log`` reaches every rank. For values of the whole step that a loss computes
-        from ``contract.step_totals`` (``CausalLM`` logs its router loss, ``train_aux_loss``).
         ``pipeline_uses_step_totals`` (an attribute): True for a loss with a router loss (``contract.router_loss``,
         through the step's totals): the strategy then picks its definition (``router_loss``: the whole step's where
         the schedule runs every forward before the first backward, else each micro-batch's own, said once) and refuses,
         before launch, ``router_loss="batch"`` under a schedule that starts a backward before the step's last forward.
         Another loss reading ``contract.step_totals`` in backward fails there at its first read, naming the schedule.
-        ``pipeline_tp_plan(layer_name, layer, tensor_parallel, sequence_parallel=False)``: needed for
-        ``BFPPStrategy(tensor_parallel>1)``; for each layer (``layer_name`` as in stage names), a dict {submodule name
-        or ``*`` pattern inside ``layer``, or "" for the layer itself: torch ``ParallelStyle``} applied with
-        ``parallelize_module`` over the tensor-parallel group, or None to keep it whole. Each layer must return its
-        output whole (end a column-wise split with a row-wise one, or gather it). With ``sequence_parallel=True``
-        (asked only of a hook that takes the argument) every layer gets a plan, and between layers each tp rank holds
-        its 1/tp of the sequence (dim 1): the first layer's output is cut into shards, the last gathers them, norms
-        run on shards (see ``sequence_gather``, ``sequence_parallel_norm``, ``sequence_scatter``). Raise naming the
-        setting when the model cannot split by ``tensor_parallel`` (e.g. heads); a weight tied to another module
-        cannot be split. See ``lightning_bfpp.layout.tensor_parallel``.
-        ``pipeline_context_parallel(layer_name, layer, context_parallel)``: needed for
-        ``BFPPStrategy(context_parallel>1)``; True for each layer that computes right on a shard of every sequence
-        (its attention through ``contract.context_parallel.attention``, its positions from ``token_positions``); a
-        layer it does not vouch for (False, or an exception saying why) is refused before launch, named.
+        ``pipeline_train_metrics``, ``pipeline_step_logs``, ``pipeline_tp_plan``, ``pipeline_context_parallel``: the
+        methods below, used only where the module defines them (a subclass's override, or a method of that name on a
+        module that does not inherit this mixin).
         ``pipeline_init_weights(name, module)``: initializes one module of a model built on the meta device, on the
         ranks holding it; default ``module.reset_parameters()``.
 
@@ -121,6 +103,40 @@ class PipelineHooks:
         ``reset_parameters()``."""
         default_init(name, module)
 
+    # Optional hooks: documented here, used only where a module defines its own (``defined_hook``).
+
+    def pipeline_train_metrics(self, output: Any, target: Any) -> None:
+        """Called once per training step on the rank(s) holding the last stage, with the step's last-stage output
+        (micro-batches concatenated, detached) and target; what it logs with ``self.log`` reaches every rank, as from
+        ``training_step``. Defining it keeps those outputs until the step ends (for a language model: the logits of
+        the whole batch)."""
+
+    def pipeline_step_logs(self) -> None:
+        """Called once per training step, after its backward, on the rank(s) holding the last stage; what it logs
+        with ``self.log`` reaches every rank. For values of the whole step that a loss computes from
+        ``contract.step_totals`` (``CausalLM`` logs its router loss, ``train_aux_loss``)."""
+
+    def pipeline_tp_plan(self, layer_name: str, layer: nn.Module, tensor_parallel: int,
+                         sequence_parallel: bool = False) -> dict | None:
+        """Needed for ``BFPPStrategy(tensor_parallel>1)``: for each layer (``layer_name`` as in stage names), a dict
+        {submodule name or ``*`` pattern inside ``layer``, or "" for the layer itself: torch ``ParallelStyle``}
+        applied with ``parallelize_module`` over the tensor-parallel group, or None to keep it whole. Each layer must
+        return its output whole (end a column-wise split with a row-wise one, or gather it). With
+        ``sequence_parallel=True`` (asked only of a hook that takes the argument) every layer gets a plan, and between
+        layers each tp rank holds its 1/tp of the sequence (dim 1): the first layer's output is cut into shards, the
+        last gathers them, norms run on shards (``lightning_bfpp.modeling``: ``sequence_gather``,
+        ``sequence_parallel_norm``, ``sequence_scatter``). Raise naming the setting when the model cannot split by
+        ``tensor_parallel`` (e.g. heads); a weight tied to another module cannot be split. Not defined: tensor
+        parallel is refused, naming this hook."""
+        return None
+
+    def pipeline_context_parallel(self, layer_name: str, layer: nn.Module, context_parallel: int) -> bool:
+        """Needed for ``BFPPStrategy(context_parallel>1)``: True for each layer that computes right on a shard of
+        every sequence (its attention through ``lightning_bfpp.modeling.attention``, its positions from
+        ``token_positions``); a layer it does not vouch for (False, or an exception saying why) is refused before
+        launch, named. Not defined: context parallel is refused, naming this hook."""
+        return False
+
     def pipeline_forward(self, inputs: Any) -> Any:
         """Run all layers in order — the unpipelined forward, for use in ``forward``/``training_step`` (side
         inputs computed once and passed as under bfpp)."""
@@ -134,6 +150,15 @@ class PipelineHooks:
             args, kwargs = call.arguments(out, side)
             out = layer(*args, **kwargs)
         return out
+
+
+def defined_hook(module: Any, name: str) -> Callable | None:
+    """`module`'s optional hook `name` (bound) where the module defines one of its own; None where it has none or
+    only ``PipelineHooks``' documented default."""
+    hook = getattr(module, name, None)
+    if not callable(hook) or getattr(hook, "__func__", None) is getattr(PipelineHooks, name, None):
+        return None
+    return hook
 
 
 def own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -222,7 +247,7 @@ def describe_contract(module: nn.Module) -> str:
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
     name = type(module).__name__
-    metrics = "pipeline_train_metrics(output, target)" if callable(getattr(module, "pipeline_train_metrics", None)) \
+    metrics = "pipeline_train_metrics(output, target)" if defined_hook(module, "pipeline_train_metrics") \
         else "none (define pipeline_train_metrics(output, target) to log training metrics)"
     replaced = (f"{name}.training_step is not run: " if is_overridden("training_step", module) else "") + \
         "each training step runs the pipeline schedule with pipeline_loss per micro-batch and logs train_loss"

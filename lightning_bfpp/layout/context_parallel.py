@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ..contract.hooks import defined_hook
 from ..dims import LayoutError
 from .names import layer_names
 
@@ -19,7 +20,7 @@ def check_context_parallel(root: nn.Module, layers: Sequence[nn.Module], context
     """Ask ``root.pipeline_context_parallel(layer_name, layer, context_parallel)`` of every layer; raise LayoutError
     naming the first layer it does not vouch for (False, no hook), or its own reason (an exception it raises)."""
     model = type(root).__name__
-    hook = getattr(root, HOOK, None)
+    hook = defined_hook(root, HOOK)
     fix = (f"define {model}.{HOOK}(layer_name, layer, context_parallel) returning True for the layers that run on a "
            "shard of every sequence (attention through lightning_bfpp.contract.context_parallel.attention, positions "
            "from token_positions: docs/context_parallel.md), or set context_parallel=1")

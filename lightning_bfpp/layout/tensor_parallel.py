@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..contract.hooks import defined_hook
 from ..dims import TP, Names, ParallelDims
 from .names import layer_names
 
@@ -134,7 +135,7 @@ def check_sequence_length(inputs: Any, dims: ParallelDims) -> None:
 def _plan_hook(root: nn.Module, tensor_parallel: int, sequence_parallel: bool):
     """``root.pipeline_tp_plan`` as a function of (layer name, layer), asked for sequence-parallel plans when on."""
     model = type(root).__name__
-    hook = getattr(root, HOOK, None)
+    hook = defined_hook(root, HOOK)
     if not callable(hook):
         raise TypeError(
             f"tensor_parallel={tensor_parallel} needs `{model}.{HOOK}(layer_name, layer, tensor_parallel)` returning "

@@ -10,7 +10,8 @@ import yaml
 
 from lightning_bfpp.schedule import SCHEDULES
 from lightning_bfpp.sim import Cluster, Model
-from lightning_bfpp.sim.planner import candidate_costs, candidates, memory_lower_bound, search, simulate_candidate
+from lightning_bfpp.sim.bounds import memory_lower_bound
+from lightning_bfpp.sim.planner import candidate_costs, candidates, search, simulate_candidate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +192,8 @@ def test_residency_chosen_by_memory():
 def test_no_micro_batch_cap_and_exact_pruning():
     """Without a cap the micro-batch count reaches the replica's whole batch (one sample each), and the step-time
     lower bound the search prunes with never exceeds a simulated step."""
-    from lightning_bfpp.sim.planner import candidate_schedule, comm_lower_bound, step_time_lower_bound
+    from lightning_bfpp.sim.bounds import comm_lower_bound, step_time_lower_bound
+    from lightning_bfpp.sim.planner import candidate_schedule
 
     model, cluster = _load("gpt_small", "gpu_8")
     cs = list(candidates(model, cluster, 256, loops=(1, 2), max_groups=1))

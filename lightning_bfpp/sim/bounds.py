@@ -40,7 +40,6 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     return worst
 
 
-
 def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
     """Seconds no schedule can beat: pipeline rank r cannot start before stages 0..r-1 ran one forward, is
     busy for its m forwards and backwards, and its last backward is followed by stages r-1..0's backward (not under
@@ -52,7 +51,6 @@ def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
         edges = sum(x.forward + tail * x.backward for x in st[:r])
         bound = max(bound, edges + busy)
     return bound + costs.step_overhead
-
 
 
 def _fsdp_counts(schedule: Schedule) -> list[dict[int, list[int]]]:
@@ -70,7 +68,6 @@ def _fsdp_counts(schedule: Schedule) -> list[dict[int, list[int]]]:
     return cached
 
 
-
 def comm_lower_bound(schedule: Schedule, costs: Costs) -> float:
     """Seconds no run of `schedule` can beat for its data-parallel collectives: a rank's all-gathers queue on one
     stream, its reductions on another, and those crossing nodes all on its one network interface (the simulator's
@@ -85,7 +82,6 @@ def comm_lower_bound(schedule: Schedule, costs: Costs) -> float:
             ag, rs, nic = ag + g, rs + r, nic + (g + r if st.inter_node else 0.0)
         bound = max(bound, ag, rs, nic)
     return bound
-
 
 
 def static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:

@@ -224,11 +224,16 @@ def _fsdp_variants(sharding: str, loops: int, residencies: Sequence[str]) -> lis
 def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
     """`c`'s stage costs: shared by every search (across calls too) with the candidates that differ only in what the
     costs do not depend on (schedule, groups, reshard policy, residency, cross-step overlap)."""
-    return _costs(model, cluster, replace(c, schedule="", groups=1, reshard_after_forward=False, residency="step",
-                                          cache=0, cross_step_overlap=False))
+    return _costs(model, cluster, _cost_key(c))
 
 
-@lru_cache(maxsize=1024)  # a 64-stage layout's costs are ~0.1 MB
+def _cost_key(c: Candidate) -> Candidate:
+    """`c` up to what its stage costs do not depend on."""
+    return replace(c, schedule="", groups=1, reshard_after_forward=False, residency="step", cache=0,
+                   cross_step_overlap=False)
+
+
+@lru_cache(maxsize=4096)  # a 64-stage layout's costs are ~0.1 MB
 def _costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
     return build_costs(model, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
                        data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
@@ -237,12 +242,18 @@ def _costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
                        context_parallel=c.context_parallel, shard_unit=c.shard_unit)
 
 
+def throughput_bound(model: Model, cluster: Cluster, c: Candidate) -> float:
+    """Tokens/s per device no run of `c` beats (its step-time lower bound): what the search orders and prunes by.
+    It depends on `c`'s stage costs and on whether its schedule is zero-bubble, so it is shared by every candidate
+    (and search) with the same costs."""
+    return _throughput_bound(model, cluster, _cost_key(c), c.schedule == "breadth_first_zb")
+
+
 @lru_cache(maxsize=100_000)
-def _bounds(model: Model, cluster: Cluster, c: Candidate) -> tuple[float, float]:
-    """(`c`'s memory lower bound in bytes, its throughput upper bound in tokens/s over its replica): what the search
-    prunes by, shared by every search."""
-    costs = candidate_costs(model, cluster, c)
-    return memory_lower_bound(c, costs), costs.tokens_per_step / step_time_lower_bound(c, costs)
+def _throughput_bound(model: Model, cluster: Cluster, key: Candidate, zero_bubble: bool) -> float:
+    costs = _costs(model, cluster, key)
+    step = step_time_lower_bound(replace(key, schedule="breadth_first_zb" if zero_bubble else ""), costs)
+    return costs.tokens_per_step / step / (key.pipeline_parallel * key.tensor_parallel * key.context_parallel)
 
 
 class Step(NamedTuple):
@@ -272,7 +283,7 @@ def clear_caches() -> None:
     """Forget the stage costs and simulated steps the searches share (they are keyed by everything that decides
     them; this only frees memory)."""
     _costs.cache_clear()
-    _bounds.cache_clear()
+    _throughput_bound.cache_clear()
     _STEPS.clear()
 
 
@@ -328,17 +339,16 @@ def search(
     leaders: list[float] = []  # min-heap: tokens/s/device of the best `keep` fitting plans so far
     bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `keep`
     prune = not include_unfit and not exhaustive
+    # pruning: only candidates whose state fits, the highest throughput bound first (_in_search_order)
     for c in _in_search_order(model, cluster, _each_shard_unit(candidates(model, cluster, batch_size, **space),
                                                                shard_units), prune):
         family = _family(c)
-        if not exhaustive and (family in settled or (prune and not static_fits(model, cluster, c))):
+        if not exhaustive and family in settled or prune and throughput_bound(model, cluster, c) < bar:
             continue
         devices = c.pipeline_parallel * c.tensor_parallel * c.context_parallel
-        if prune:
-            memory, fastest = _bounds(model, cluster, c)
-            if memory > cluster.usable_memory or fastest / devices < bar:
-                continue
         costs = candidate_costs(model, cluster, c)
+        if prune and memory_lower_bound(c, costs) > cluster.usable_memory:
+            continue
         key = (model, cluster, c, options)
         r = _STEPS.get(key)  # simulated by an earlier search (another method's, another table's)
         if r is None:
@@ -377,11 +387,8 @@ def _in_search_order(model: Model, cluster: Cluster, found: Iterable[Candidate],
     their order (the fastest variant first). Otherwise: as generated."""
     if not prune:
         return found
-
-    def bound(c: Candidate) -> float:
-        return _bounds(model, cluster, c)[1] / (c.pipeline_parallel * c.tensor_parallel * c.context_parallel)
-
-    return sorted((c for c in found if static_fits(model, cluster, c)), key=bound, reverse=True)
+    return sorted((c for c in found if static_fits(model, cluster, c)),
+                  key=lambda c: throughput_bound(model, cluster, c), reverse=True)
 
 
 def _each_shard_unit(found: Iterable[Candidate], shard_units: Sequence[str]) -> Iterable[Candidate]:

@@ -16,7 +16,10 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
     """Bytes some rank certainly needs (checked before lowering and simulating): its state, and the
     activations a schedule must hold at once — breadth-first/GPipe run every forward of a group on all
     local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches — plus one
-    backward's working set and the gathered weights (all local stages' in such a group pass)."""
+    backward's working set and the gathered weights (all local stages' in such a group pass). With accumulation
+    groups (g >= 2, sharded, weights resident for the step) the last group's backward also finds every local stage's
+    unsharded gradient, held since the first group's backward (such a stage's gradients are reduced once per step,
+    after its last group; shorter residencies reduce per run)."""
     pp, worst = c.pipeline_parallel, 0.0
     for rank in range(pp):
         local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
@@ -36,7 +39,9 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
         # local stage's first backward all are (unless resharded after forward or under a shorter residency)
         whole_pass = c.schedule in BREADTH_FIRST + ("gpipe",) and not c.reshard_after_forward and c.residency == "step"
         gathered = sum(weights) if whole_pass else max(weights)
-        worst = max(worst, state + live + gathered + min(st.workspace for st in local))
+        held = c.groups > 1 and c.sharding == "full" and c.schedule in BREADTH_FIRST and c.residency == "step"
+        grads = sum(st.grad_bytes * st.gathered_params for st in local) if held else 0.0
+        worst = max(worst, state + live + gathered + grads + min(st.workspace for st in local))
     return worst
 
 

@@ -78,15 +78,13 @@ def cross_step_table(model: Model, cluster: Cluster, overheads=(0.0, 0.005, 0.01
             cl, cells, gain = replace(cluster, step_overhead=overhead), [], 0.0
             for mode in ("breadth_first", "breadth_first_zb"):
                 schedules, shardings, options, (min_pp, _), tps, sps = MODES[mode]
-                plans = [p for p in search(model, cl, int(beta * cl.world_size), options=options, top=1,
-                                           schedules=schedules, shardings=shardings, min_pipeline_parallel=min_pp,
-                                           tensor_parallels=tps, sequence_parallels=sps,
-                                           cross_step_overlaps=(False, True)) if p.fits]
-                pair = [max((p for p in plans if p.candidate.cross_step_overlap == on),
-                            key=lambda p: p.tokens_per_second_per_device) for on in (False, True)
-                        if any(p.candidate.cross_step_overlap == on for p in plans)]
-                if len(pair) == 1:  # nothing to gain anywhere: the plain plan stands for both
-                    pair *= 2
+                # the best without, then the best with cross-step overlap allowed (the second search reuses the
+                # first's simulated steps); only a search's first plan is certain (the rest are pruned)
+                pair = [next(p for p in search(model, cl, int(beta * cl.world_size), options=options, top=1,
+                                               schedules=schedules, shardings=shardings, min_pipeline_parallel=min_pp,
+                                               tensor_parallels=tps, sequence_parallels=sps,
+                                               cross_step_overlaps=overlaps) if p.fits)
+                        for overlaps in ((False,), (False, True))]
                 for p in pair:
                     tflops = p.tokens_per_second_per_device * fpt / 1e12
                     cells.append(f"{tflops:.1f} ({tflops * 1e12 / bound:.1%})")

@@ -10,7 +10,8 @@ import yaml
 
 from lightning_bfpp.schedule import SCHEDULES
 from lightning_bfpp.sim import Cluster, Model
-from lightning_bfpp.sim.planner import candidate_costs, candidates, memory_lower_bound, search, simulate_candidate
+from lightning_bfpp.sim.bounds import memory_lower_bound
+from lightning_bfpp.sim.planner import candidate_costs, candidates, search, simulate_candidate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,6 +101,18 @@ def test_memory_filter_and_lower_bound():
     local = sum(st.weight_bytes * st.gathered_params for st in costs.stages[::2])
     assert max(m.category_peak["weights"] for m in peak) == pytest.approx(local)
     assert memory_lower_bound(c, costs) <= max(m.peak for m in peak)
+    # accumulation groups: the last group's backward finds every local stage's unsharded gradient (counted, and still
+    # below the simulated peak, for every breadth-first variant with groups)
+    grouped = [c for c in candidates(model, cluster, 64, schedules=["breadth_first", "breadth_first_zb"], loops=(2, 4),
+                                     shardings=["full"], max_micro_batches=16, max_groups=8) if c.groups > 1]
+    assert len(grouped) > 20
+    for c in grouped:
+        costs = candidate_costs(model, cluster, c)
+        assert memory_lower_bound(c, costs) <= simulate_candidate(model, cluster, c).peak_memory
+    c = next(c for c in grouped if c.residency == "step")  # reduced once per step: the held gradients count
+    costs = candidate_costs(model, cluster, c)
+    no_grads = dataclasses.replace(costs, stages=[dataclasses.replace(st, grad_bytes=0) for st in costs.stages])
+    assert memory_lower_bound(c, costs) > memory_lower_bound(c, no_grads)
 
 
 def test_overrides_format():
@@ -208,7 +221,8 @@ def test_residency_chosen_by_memory():
 def test_no_micro_batch_cap_and_exact_pruning():
     """Without a cap the micro-batch count reaches the replica's whole batch (one sample each), and the step-time
     lower bound the search prunes with never exceeds a simulated step."""
-    from lightning_bfpp.sim.planner import candidate_schedule, comm_lower_bound, step_time_lower_bound
+    from lightning_bfpp.sim.bounds import comm_lower_bound, step_time_lower_bound
+    from lightning_bfpp.sim.planner import candidate_schedule
 
     model, cluster = _load("gpt_small", "gpu_8")
     cs = list(candidates(model, cluster, 256, loops=(1, 2), max_groups=1))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..dims import LayoutError, ParallelDims, divisors
-from ..schedule import SCHEDULES, ScheduleSpec
+from ..schedule import LOOPED_SCHEDULES, SCHEDULES, ScheduleSpec
 from ..sim import Cluster, Layers, SimOptions, WireBytes, build_costs, simulate
 from ..sim.planner import DEFAULT_LOOPS, Candidate, Plan, candidate_schedule, search
 from .layer_cost import _tensors, measure_layer_times, time_balanced_stage_layers
@@ -154,6 +154,12 @@ def _with_cut(model: _Measured, cluster: Cluster, p: Plan, options: SimOptions) 
     return Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits), cut
 
 
+def _with_loops(schedules: Sequence[str], loops: int) -> list[str]:
+    """The schedules of `schedules` that run `loops` stages per rank (only looped ones run more than one): the
+    search's best plans must be of the cut's length, not only its unpruned tail."""
+    return [s for s in schedules if loops == 1 or s in LOOPED_SCHEDULES]
+
+
 def plan_layout(layers: Layers, cluster: Cluster, world: int, global_batch: int, pinned: Mapping[str, Any],
                 *, blocking_reduce: bool = True, stage_count: int | None = None) -> list[tuple[Plan, list[int]]]:
     """Legal fitting layouts of `layers` on `cluster` for `global_batch`, fastest first, each with its time-balanced
@@ -171,9 +177,11 @@ def plan_layout(layers: Layers, cluster: Cluster, world: int, global_batch: int,
     # pinned memory-for-speed knobs or micro-batch counts: no pruning (the pinned variants must be simulated)
     exhaustive = bool({"micro_batches", "groups", "reshard_after_forward"} & set(pinned))
     if stage_count:  # an explicit cut's length: one search per pp x loops = stage_count (pinned knobs kept)
-        spaces = [{**space, "min_pipeline_parallel": d, "max_pipeline_parallel": d, "loops": [stage_count // d]}
+        spaces = [{**space, "min_pipeline_parallel": d, "max_pipeline_parallel": d, "loops": [stage_count // d],
+                   "schedules": _with_loops(space["schedules"], stage_count // d)}
                   for d in divisors(stage_count)
-                  if (pp or d) == d and pinned.get("loops", stage_count // d) == stage_count // d]
+                  if (pp or d) == d and pinned.get("loops", stage_count // d) == stage_count // d
+                  and _with_loops(space["schedules"], stage_count // d)]
     else:
         spaces = [space]
     plans = sorted((p for sp in spaces for p in search(model, cluster, global_batch, options=options, top=RERANK,

@@ -8,14 +8,13 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..dims import ParallelDims, divisors
 from ..schedule import (
     BREADTH_FIRST,
     LOOPED_SCHEDULES,
     SCHEDULES,
-    Op,
     Schedule,
     ScheduleError,
     ScheduleSpec,
@@ -23,8 +22,9 @@ from ..schedule import (
     compute_order,
     lower,
 )
+from .bounds import comm_lower_bound, memory_lower_bound, static_fits, step_time_lower_bound
 from .cluster import Cluster
-from .cost import Costs, build_costs, state_bytes
+from .cost import Costs, build_costs
 from .model import Model
 from .residency import RESIDENCIES, relower
 from .simulate import SimOptions, SimResult, evaluate, simulate
@@ -224,6 +224,19 @@ def _fsdp_variants(sharding: str, loops: int, residencies: Sequence[str]) -> lis
 
 
 def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
+    """`c`'s stage costs: shared by every search (across calls too) with the candidates that differ only in what the
+    costs do not depend on (schedule, groups, reshard policy, residency, cross-step overlap)."""
+    return _costs(model, cluster, _cost_key(c))
+
+
+def _cost_key(c: Candidate) -> Candidate:
+    """`c` up to what its stage costs do not depend on."""
+    return replace(c, schedule="", groups=1, reshard_after_forward=False, residency="step", cache=0,
+                   cross_step_overlap=False)
+
+
+@lru_cache(maxsize=4096)  # a 64-stage layout's costs are ~0.1 MB
+def _costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
     return build_costs(model, cluster, pipeline_parallel=c.pipeline_parallel, loops=c.loops,
                        data_parallel=c.data_parallel, micro_batch_size=c.micro_batch_size,
                        micro_batches=c.micro_batches, sharding=c.sharding, tensor_parallel=c.tensor_parallel,
@@ -231,57 +244,55 @@ def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
                        context_parallel=c.context_parallel, shard_unit=c.shard_unit)
 
 
-class _CostCache:
-    """`candidate_costs` shared by the candidates that differ only in what the costs do not depend on (schedule,
-    groups, reshard policy, residency). `candidates` yields those within one (tp, cp, pp, micro-batch size) block,
-    so the cache holds one block at a time."""
+def throughput_bound(model: Model, cluster: Cluster, c: Candidate) -> float:
+    """Tokens/s per device no run of `c` beats (its step-time lower bound): what the search orders and prunes by.
+    It depends on `c`'s stage costs and on whether its schedule is zero-bubble, so it is shared by every candidate
+    (and search) with the same costs."""
+    return _throughput_bound(model, cluster, _cost_key(c), c.schedule == "breadth_first_zb")
 
-    def __init__(self, model: Model, cluster: Cluster):
-        self.model, self.cluster, self.block, self.costs = model, cluster, None, {}
 
-    def __call__(self, c: Candidate) -> Costs:
-        block = (c.tensor_parallel, c.context_parallel, c.pipeline_parallel, c.micro_batch_size)
-        if block != self.block:
-            self.block, self.costs = block, {}
-        key = (c.loops, c.data_parallel, c.micro_batches, c.sharding, c.sequence_parallel, c.expert_parallel,
-               c.shard_unit)
-        if key not in self.costs:
-            self.costs[key] = candidate_costs(self.model, self.cluster, c)
-        return self.costs[key]
+@lru_cache(maxsize=100_000)
+def _throughput_bound(model: Model, cluster: Cluster, key: Candidate, zero_bubble: bool) -> float:
+    costs = _costs(model, cluster, key)
+    step = step_time_lower_bound(replace(key, schedule="breadth_first_zb" if zero_bubble else ""), costs)
+    return costs.tokens_per_step / step / (key.pipeline_parallel * key.tensor_parallel * key.context_parallel)
+
+
+class Step(NamedTuple):
+    """The numbers of a simulated step the search keeps (not the schedule or the timeline: they are megabytes)."""
+
+    step_time: float
+    tokens_per_second_per_device: float
+    peak_memory: float
+    cross_step_gain: float
+    tokens_per_step: int
+
+
+_STEPS: dict[tuple, Step] = {}  # (model, cluster, candidate, options) -> its simulated step, for every search
+_MAX_STEPS = 200_000
+
+
+def _simulated(key: tuple, schedule: Schedule, costs: Costs, options: SimOptions) -> Step:
+    r = simulate(schedule, costs, options, timeline=False)
+    if len(_STEPS) >= _MAX_STEPS:
+        _STEPS.clear()
+    _STEPS[key] = step = Step(r.step_time, r.tokens_per_second_per_device, r.peak_memory, r.cross_step_gain,
+                              r.tokens_per_step)
+    return step
+
+
+def clear_caches() -> None:
+    """Forget the stage costs and simulated steps the searches share (they are keyed by everything that decides
+    them; this only frees memory)."""
+    _costs.cache_clear()
+    _throughput_bound.cache_clear()
+    _STEPS.clear()
 
 
 def simulate_candidate(model: Model, cluster: Cluster, c: Candidate,
                        options: SimOptions = SimOptions(),  # noqa: B008  (frozen dataclass: a safe shared default)
                        *, timeline: bool = False) -> SimResult:
     return simulate(candidate_schedule(c), candidate_costs(model, cluster, c), c.options(options), timeline=timeline)
-
-
-def memory_lower_bound(c: Candidate, costs: Costs) -> float:
-    """Bytes some rank certainly needs (checked before lowering and simulating): its state, and the
-    activations a schedule must hold at once — breadth-first/GPipe run every forward of a group on all
-    local stages before the first backward; 1F1B's first rank holds min(pp, m) micro-batches — plus one
-    backward's working set and the gathered weights (all local stages' in such a group pass)."""
-    pp, worst = c.pipeline_parallel, 0.0
-    for rank in range(pp):
-        local = [costs.stages[s] for s in range(rank, len(costs.stages), pp)]
-        params = sum(st.params for st in local)
-        state = state_bytes(params, c.sharding, c.gradient_replicas, sum(st.gathered_params for st in local))
-        act = sum(st.activation for st in local)
-        if c.schedule in ("gpipe", "breadth_first"):
-            live = c.micro_batches // c.groups * act
-        elif c.schedule == "breadth_first_zb":  # its last local stage's weight passes may free some early
-            live = c.micro_batches // c.groups * (act - local[-1].activation) + local[-1].activation
-        elif c.schedule == "1f1b" and rank == 0:
-            live = min(pp, c.micro_batches) * act
-        else:
-            live = max(st.activation for st in local)
-        weights = [st.weight_bytes * st.gathered_params for st in local] if c.sharding == "full" else [0.0]
-        # a group pass keeps every local stage gathered from its first forward to its last backward: at the last
-        # local stage's first backward all are (unless resharded after forward or under a shorter residency)
-        whole_pass = c.schedule in BREADTH_FIRST + ("gpipe",) and not c.reshard_after_forward and c.residency == "step"
-        gathered = sum(weights) if whole_pass else max(weights)
-        worst = max(worst, state + live + gathered + min(st.workspace for st in local))
-    return worst
 
 
 def _family(c: Candidate) -> tuple:
@@ -291,61 +302,8 @@ def _family(c: Candidate) -> tuple:
             c.shard_unit)
 
 
-def step_time_lower_bound(c: Candidate, costs: Costs) -> float:
-    """Seconds no schedule can beat: pipeline rank r cannot start before stages 0..r-1 ran one forward, is
-    busy for its m forwards and backwards, and its last backward is followed by stages r-1..0's backward (not under
-    breadth_first_zb: its own deferred weight-gradient passes may run while those do)."""
-    st, pp, bound = costs.stages, c.pipeline_parallel, 0.0
-    tail = 0.0 if c.schedule == "breadth_first_zb" else 1.0
-    for r in range(pp):
-        busy = c.micro_batches * sum(x.forward + x.backward for x in st[r::pp])
-        edges = sum(x.forward + tail * x.backward for x in st[:r])
-        bound = max(bound, edges + busy)
-    return bound + costs.step_overhead
-
-
-def _fsdp_counts(schedule: Schedule) -> list[dict[int, list[int]]]:
-    """Per rank, stage -> [all-gathers, gradient reductions] in its action list (cached on the schedule)."""
-    cached = schedule.__dict__.get("_fsdp_counts")
-    if cached is None:
-        cached = []
-        for rank in range(schedule.spec.pipeline_parallel):
-            counts: dict[int, list[int]] = {}
-            for a in schedule.actions[rank]:
-                if a.op is Op.UNSHARD or a.op is Op.REDUCE_GRAD:
-                    counts.setdefault(a.stage, [0, 0])[a.op is Op.REDUCE_GRAD] += 1
-            cached.append(counts)
-        schedule.__dict__["_fsdp_counts"] = cached
-    return cached
-
-
-def comm_lower_bound(schedule: Schedule, costs: Costs) -> float:
-    """Seconds no run of `schedule` can beat for its data-parallel collectives: a rank's all-gathers queue on one
-    stream, its reductions on another, and those crossing nodes all on its one network interface (the simulator's
-    model), so the step lasts at least the busiest of them on any rank."""
-    gathers = costs.sharding == "full"  # other shardings gather nothing
-    bound = 0.0
-    for counts in _fsdp_counts(schedule):
-        ag = rs = nic = 0.0
-        for s, (n_ag, n_rs) in counts.items():
-            st = costs.stages[s]
-            g, r = n_ag * st.unshard if gathers else 0.0, n_rs * st.reduce
-            ag, rs, nic = ag + g, rs + r, nic + (g + r if st.inter_node else 0.0)
-        bound = max(bound, ag, rs, nic)
-    return bound
-
-
 def _fastest_variant(c: Candidate) -> bool:
     return c.groups == 1 and not c.reshard_after_forward and c.residency == "step"
-
-
-def _static_fits(model: Model, cluster: Cluster, c: Candidate) -> bool:
-    """Cheap pre-filter: the sharded/replicated state of the heaviest rank alone must fit."""
-    model_split = c.pipeline_parallel * c.tensor_parallel  # a replica's ways of cutting the model
-    local_params = sum(model.layer_params()) / model_split
-    experts_elsewhere = sum(model.layer_expert_params()) * (1 - 1 / c.expert_parallel) / model_split
-    return state_bytes(local_params, c.sharding, c.gradient_replicas, local_params - experts_elsewhere) \
-        < cluster.usable_memory
 
 
 def search(
@@ -382,22 +340,25 @@ def search(
     keep = max(top, 1)
     leaders: list[float] = []  # min-heap: tokens/s/device of the best `keep` fitting plans so far
     bar = 0.0  # a candidate whose throughput bound is below it cannot enter the first `keep`
-    costs_of = _CostCache(model, cluster)
-    for c in _each_shard_unit(candidates(model, cluster, batch_size, **space), shard_units):
+    prune = not include_unfit and not exhaustive
+    # pruning: only candidates whose state fits, the highest throughput bound first (_in_search_order)
+    for c in _in_search_order(model, cluster, _each_shard_unit(candidates(model, cluster, batch_size, **space),
+                                                               shard_units), prune):
         family = _family(c)
-        prune = not include_unfit and not exhaustive
-        if not exhaustive and (family in settled or (prune and not _static_fits(model, cluster, c))):
+        if not exhaustive and family in settled or prune and throughput_bound(model, cluster, c) < bar:
             continue
-        costs = costs_of(c)
         devices = c.pipeline_parallel * c.tensor_parallel * c.context_parallel
-        if prune and (memory_lower_bound(c, costs) > cluster.usable_memory or
-                      costs.tokens_per_step / step_time_lower_bound(c, costs) / devices < bar):
+        costs = candidate_costs(model, cluster, c)
+        if prune and memory_lower_bound(c, costs) > cluster.usable_memory:
             continue
-        schedule = candidate_schedule(c)
-        comm = comm_lower_bound(schedule, costs) if prune and bar else 0.0
-        if comm and costs.tokens_per_step / comm / devices < bar:
-            continue  # its gathers or reductions alone take longer than the best step so far
-        r = simulate(schedule, costs, options, timeline=False)
+        key = (model, cluster, c, options)
+        r = _STEPS.get(key)  # simulated by an earlier search (another method's, another table's)
+        if r is None:
+            schedule = candidate_schedule(c)
+            comm = comm_lower_bound(schedule, costs) if prune and bar else 0.0
+            if comm and costs.tokens_per_step / comm / devices < bar:
+                continue  # its gathers or reductions alone take longer than the best step so far
+            r = _simulated(key, schedule, costs, options)
         fits = r.peak_memory <= cluster.usable_memory
         if fits and prune and _fastest_variant(c):
             settled.add(family)
@@ -410,8 +371,8 @@ def search(
             plans.append(Plan(c, r.tokens_per_second_per_device, r.step_time, r.peak_memory, fits))
             if True in cross_step_overlaps and r.cross_step_gain > 0 and not options.cross_step_overlap:
                 step = r.step_time - r.cross_step_gain
-                plans.append(Plan(replace(c, cross_step_overlap=True), r.tokens_per_step / step / (
-                    c.pipeline_parallel * c.tensor_parallel), step, r.peak_memory, fits))
+                plans.append(Plan(replace(c, cross_step_overlap=True), r.tokens_per_step / step / devices, step,
+                                  r.peak_memory, fits))
     plans.sort(key=lambda p: (not p.fits, -round(p.tokens_per_second_per_device, 6), p.peak_memory,
                               p.candidate.micro_batches, p.candidate.loops, p.candidate.pipeline_parallel))
     for p in plans[:top]:
@@ -420,6 +381,16 @@ def search(
                      p.candidate.options(options), timeline=False)
         p.bubble, p.exposed_comm = r.pipeline_bubble, r.exposed_comm
     return plans
+
+
+def _in_search_order(model: Model, cluster: Cluster, found: Iterable[Candidate], prune: bool) -> Iterable[Candidate]:
+    """Pruning: the candidates whose state fits, the highest throughput bound first (branch and bound: the best plans
+    are simulated early, so the bar that skips the rest rises fast). A family's variants share their bound and keep
+    their order (the fastest variant first). Otherwise: as generated."""
+    if not prune:
+        return found
+    return sorted((c for c in found if static_fits(model, cluster, c)),
+                  key=lambda c: throughput_bound(model, cluster, c), reverse=True)
 
 
 def _each_shard_unit(found: Iterable[Candidate], shard_units: Sequence[str]) -> Iterable[Candidate]:

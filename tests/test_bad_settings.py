@@ -270,13 +270,10 @@ ACCEPTED = [
 ]
 
 
-_compose = compose_app
-
-
 @pytest.mark.parametrize("overrides, message", CHECKS, ids=[" ".join(o) for o, _ in CHECKS])
 def test_app_setting_is_checked_before_launch(overrides, message):
     with pytest.raises(ConfigError) as err:
-        check_config(_compose(overrides))
+        check_config(compose_app(overrides))
     assert message in str(err.value)
     key = overrides[-1].lstrip("+").split("=")[0]
     assert key in str(err.value), f"the error does not name {key}: {err.value}"
@@ -285,13 +282,13 @@ def test_app_setting_is_checked_before_launch(overrides, message):
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(o) or "defaults" for o in ACCEPTED])
 def test_legal_settings_pass_the_checks(overrides, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # cluster=gpu_8 is legal where there are GPUs
-    check_config(_compose(overrides))
+    check_config(compose_app(overrides))
 
 
 def test_a_gpu_cluster_without_a_gpu_names_the_cluster(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"cluster.accelerator=gpu \(cluster=gpu_8\): this machine has no usable GPU"):
-        check_config(_compose(["cluster=gpu_8"]))
+        check_config(compose_app(["cluster=gpu_8"]))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -300,8 +297,8 @@ def test_a_gpu_cluster_without_a_gpu_names_the_cluster(monkeypatch):
 def test_the_corpus_size_the_error_suggests_is_enough(overrides):
     """`use data.max_bytes=N or more`: N passes, N - 1 does not (the suggestion is the least that works)."""
     with pytest.raises(ConfigError) as err:
-        check_config(_compose(overrides))
+        check_config(compose_app(overrides))
     need = int(str(err.value).split("use data.max_bytes=")[1].split()[0])
-    check_config(_compose([*overrides, f"data.max_bytes={need}"]))
+    check_config(compose_app([*overrides, f"data.max_bytes={need}"]))
     with pytest.raises(ConfigError):
-        check_config(_compose([*overrides, f"data.max_bytes={need - 1}"]))
+        check_config(compose_app([*overrides, f"data.max_bytes={need - 1}"]))

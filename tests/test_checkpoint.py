@@ -64,9 +64,6 @@ def runs(tmp_path_factory):
     return out
 
 
-_params = merged
-
-
 def _compare(resumed, original):
     """The resumed run's last 3 losses and its parameters equal the uninterrupted run's (float64,
     ``exact_compare``)."""
@@ -74,7 +71,7 @@ def _compare(resumed, original):
     got, want = resumed[0]["losses"], original[0]["losses"][3:]
     assert len(got) == 3, got
     assert_exact(got, want, "train_loss")
-    assert_exact(_params(resumed), _params(original), "params")
+    assert_exact(merged(resumed), merged(original), "params")
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -104,7 +101,7 @@ def test_tied_weight_resumes_across_layouts(runs, resumed, original):
 def test_background_saves_resume_exactly(runs):
     """async_save=True trains as before, writes complete checkpoints (the last one waited for at the end of fit), and
     the step-3 one resumes at dp=2 to the uninterrupted run."""
-    a, b = _params(runs["async"]), _params(runs["dp1"]["adamw"])
+    a, b = merged(runs["async"]), merged(runs["dp1"]["adamw"])
     assert runs["async"][0]["losses"] == runs["dp1"]["adamw"][0]["losses"]
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
     for step in (3, 6):
@@ -120,7 +117,7 @@ def test_export_loads_strict_and_gives_the_same_loss(runs, tmp_path):
     ckpt.main([str(folder), str(out)])
     model = as_float64(StackNet())  # the run's precision ("64-true")
     model.load_state_dict(torch.load(out, weights_only=False)["state_dict"], strict=True)
-    trained = _params(runs["dp1"]["adamw"])
+    trained = merged(runs["dp1"]["adamw"])
     assert max((model.state_dict()[k] - trained[k]).abs().max().item() for k in trained) == 0.0
     assert reference_eval(model.state_dict(), 1, 16)[0] == reference_eval(trained, 1, 16)[0]
     loaded = StackNet.load_from_checkpoint(out)  # hyper-parameters travel with the export
@@ -131,7 +128,7 @@ def test_plain_file_loads_into_a_pipelined_layout(runs):
     """trainer.validate(ckpt_path=exported file) at pp=2 x dp=2: the weights and the loss of the export."""
     ranks = runs["eval-exported"]
     exported = torch.load(runs["root"] / "exported.ckpt", weights_only=False)["state_dict"]
-    got = _params(ranks)
+    got = merged(ranks)
     assert got.keys() == exported.keys()
     assert max((got[k] - exported[k]).abs().max().item() for k in got) == 0.0
     expected, _ = reference_eval(exported, 2, 8, limit=2)

@@ -23,10 +23,8 @@ from lightning_bfpp.schedule.dims import LayoutError, ParallelDims
 
 pytest.importorskip("transformers", reason="the Hugging Face configs need the [hf] extra")
 
-from test_hf_exact import micro_batches as hf_micro_batches
-from test_hf_exact import reference as hf_reference
+from references import gpt_reference, hf_micro_batches, hf_reference
 from test_tensor_parallel import _compare, check_packed_documents
-from test_tensor_parallel import reference as gpt_reference
 
 STEPS, BATCH = 3, 8
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import run_tp
 import torch
 from exact_compare import assert_exact
 from gpt import GPT, Experts, GPTConfig, grouped_matmul
 from launch import ROOT, Launches, merged
 from one_process import as_float64, train
+from references import STEPS, gpt_reference
 
-from lightning_bfpp import BFPPStrategy, mean_loss
+from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.contract.router_loss import load_balancing_loss, step_aux_loss
 from lightning_bfpp.contract.step_totals import StepTotals, step_totals
 from lightning_bfpp.layout.experts import check_experts, experts_modules, is_experts
@@ -250,7 +250,6 @@ def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_
 
 
 # ---- the example's MoE against one process, in float64 (one launch of 4 processes) ----
-STEPS, BATCH = 3, 8
 F64 = {"moe": True, "precision": "64-true"}
 LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss each schedule gets by default unless given
     "1f1b-ep2": {"pp": 2, "m": 4, "schedule": "1f1b", "ep": 2, **F64},
@@ -272,39 +271,15 @@ def runs(tmp_path_factory) -> Launches:
                     timeout=600)
 
 
-def example_reference(data_parallel: int, parts: int) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
-    """The example MoE in one process, float64, SGD on Lightning's data order, each global batch in `parts` equal
-    micro-batches each with its own router loss (1: the whole batch's): (parameters, train_loss and train_aux_loss of
-    each step)."""
-    torch.manual_seed(0)
-    model = as_float64(GPT(run_tp.model_config(moe=True), run_tp.optim_config("sgd")))
-    o = model.optim
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    auxes: list[tuple[float, int]] = []
-
-    def loss(model, batch):
-        x, y = batch
-        output = model(x)
-        total, items = model.pipeline_loss(output, y)  # + the router loss of what it is given x counted targets
-        auxes.append((load_balancing_loss(model.head.last_stats).item(), int(items)))
-        return total, items, mean_loss(model._lm_loss(output, y)).item()
-
-    batches = run_tp.lightning_batches(BATCH, data_parallel)[:STEPS]
-    losses = train(model, torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum), ([b] for b in batches), loss,
-                   micro_batches=parts)
-    steps = [auxes[t * parts:(t + 1) * parts] for t in range(STEPS)]
-    aux_losses = [sum(a * n for a, n in step) / sum(n for _, n in step) for step in steps]
-    return dict(model.named_parameters()), losses, aux_losses
-
-
 @pytest.mark.parametrize("name", list(LAUNCH))
 def test_the_examples_moe_trains_as_one_process_under_every_schedule(runs, name):
     cfg = LAUNCH[name]
     dp = 4 // (cfg["pp"] * cfg.get("cp", 1))
     micro_batch = cfg.get("router_loss") == "micro_batch" or cfg.get("schedule") in ("1f1b", "depth_first") or \
         cfg.get("groups", 1) > 1
-    params, losses, aux_losses = example_reference(dp, dp * cfg["m"] if micro_batch else 1)
+    # each global batch in dp x m micro-batches, each with its own router loss (1 part: the whole batch's)
+    params, losses, aux_losses = gpt_reference(STEPS, [dp] * STEPS, moe=True,
+                                               micro_batches=dp * cfg["m"] if micro_batch else 1)
     ranks = runs(4)[name]
     assert_exact(merged(ranks), params, "params")
     assert all(r["losses"] == ranks[0]["losses"] for r in ranks)

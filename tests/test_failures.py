@@ -16,7 +16,7 @@ import pytest
 import torch
 from exact_compare import assert_exact
 from exact_model import reference
-from launch import SCRIPT, clean_env, run_lightning, run_torchrun, start_lightning
+from launch import SCRIPT, clean_env, merged, run_lightning, run_torchrun, start_lightning
 
 import lightning_bfpp.checkpoint as ckpt
 from lightning_bfpp.job.guard import STARTUP_TIMEOUT
@@ -236,7 +236,7 @@ def test_nonfinite_loss_skip_drops_that_batch(tmp_path):
     cfg = {"pp": 2, "loops": 2, "m": 2, "steps": 4, "nan_batch": 1, "nonfinite": "skip"}
     ranks = run_lightning(tmp_path, WORLD, [cfg], timeout=120)[0]
     want, losses = reference(4, 16, skip_batches=frozenset({1}))  # the second batch gives no update
-    got = {n: t for r in ranks for n, t in r["params"].items()}
+    got = merged(ranks)
     assert_exact({k: got[k] for k in want}, want, "params")
     assert all(torch.isnan(torch.tensor(r["losses"][1])) for r in ranks)
     assert all(r["skipped"][:2] == [None, 1.0] for r in ranks), [r["skipped"] for r in ranks]  # logged on the skip

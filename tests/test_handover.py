@@ -69,7 +69,11 @@ class BackwardInTrainingStep(SingleDeviceStrategy):
 
 
 def _reference() -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-    """Plain torch: the accumulated gradients of every optimizer step, and the final parameters."""
+    """Plain torch: the accumulated gradients of every optimizer step, and the final parameters.
+
+    Its own loop, not tests/one_process.train (the exactness tests' float64 reference): it keeps each step's gradients
+    before the optimizer's step (train keeps none), in float32 as Lightning's own accumulation computes them, each
+    loss scaled by 1/accumulate before its backward (as GradHandover hands them over), not divided after."""
     model = Net([])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     batches = list(DataLoader(_data(), batch_size=BATCH))

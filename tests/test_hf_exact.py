@@ -17,22 +17,21 @@ from exact_compare import ELEMENT_BYTES, assert_exact
 from launch import ROOT, Launches, merged
 from one_process import as_float64, train
 from packed_rows import PackedRows, alone_loss_sum, document_losses, global_batches, segments
+from references import BATCH, STEPS
+from references import hf_micro_batches as micro_batches
+from references import hf_reference as reference
 from run_hf_exact import (
     LR,
     SAMPLES,
     SEQ,
     VOCAB,
     WIDTH,
-    experts_kwargs,
     hf_model,
-    lightning_batches,
-    load_balancing_loss64,
 )
 
 from lightning_bfpp.checkpoint import main as checkpoint_cli
 
 WORKER = ROOT / "tests" / "run_hf_exact.py"
-STEPS, BATCH = 3, 8
 # pp=2 x loops=2 (4 stages: embedding, 2 decoder layers, norm + head), breadth_first; GPT-2 ties its embeddings
 CONFIGS = [{"family": "gpt2"}, {"family": "llama"}, {"family": "llama", "tie": True},
            {"family": "gpt2", "attn": "eager"}]
@@ -92,51 +91,6 @@ def saved_model(out, family: str):
     if not path.exists():
         hf_model(family).save_pretrained(path, max_shard_size="20KB" if family == "llama" else "5GB")
     return path
-
-
-def reference(family: str, data_parallel: int, tie: bool | None = None, attn: str = "sdpa", pretrained=None,
-              kv_heads: int = 1, ignored: bool = False, accumulate: int = 1, micro_batches: int = 1):
-    """The unmodified HF model (`pretrained`: loaded by its class's from_pretrained) in float64, its own forward, SGD
-    on Lightning's data order (``one_process.train``, each batch in `micro_batches` parts as the run splits it); each
-    step trains the mean cross-entropy over the counted targets (not -100) of all its `accumulate` batches, as one
-    process on the whole batch (each batch's own mean recorded as its loss), and a mixture's router loss
-    (output_router_logits=True) of each part (`micro_batches` 1: the whole batch's, router_loss="batch"; else each
-    micro-batch's own, "micro_batch") weighted by its share of the items. Returns (model, losses, the router loss of
-    each batch for a mixture of experts: its parts' weighted by their counted targets)."""
-    model = hf_model(family, tie, attn, kv_heads=kv_heads)
-    if pretrained is not None:
-        model = type(model).from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn,
-                                            **experts_kwargs(family))
-    as_float64(model)
-    auxes: list[tuple[float, int]] = []  # (aux_loss, counted targets) of every part
-    routed = getattr(model.config, "output_router_logits", False)  # + router_aux_loss_coef x aux_loss (the part's)
-
-    def loss(model, batch):
-        x, y = batch
-        out = model(x, output_router_logits=True) if routed else model(x)
-        total = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-        items = int((y != -100).sum())
-        shown = total.item() / items
-        if routed:
-            aux = load_balancing_loss64(out.router_logits, model.config.num_experts_per_tok)
-            total = total + model.router_aux_loss_coef * aux * items
-            auxes.append((aux.item(), items))
-        return total, items, shown
-
-    data = lightning_batches(BATCH, data_parallel, ignored)
-    losses = train(model, torch.optim.SGD(model.parameters(), lr=LR),
-                   ([next(data) for _ in range(accumulate)] for _ in range(STEPS)), loss, micro_batches=micro_batches)
-    batches = [auxes[i:i + micro_batches] for i in range(0, len(auxes), micro_batches)]  # train_aux_loss per batch
-    aux_losses = [sum(a * n for a, n in parts) / sum(n for _, n in parts) for parts in batches]
-    return model, losses, aux_losses
-
-
-def micro_batches(cfg: dict, data_parallel: int) -> int:
-    """The parts of a global batch the run differentiates one by one: each replica's batch in `m` micro-batches (a
-    router loss over the whole batch, router_loss="batch": one part)."""
-    default = "micro_batch" if cfg.get("schedule") in ("1f1b", "depth_first") else "batch"  # (the schedule's)
-    whole_batch = cfg["family"] in ("mixtral", "qwen3_moe") and cfg.get("router_loss", default) == "batch"
-    return 1 if whole_batch else data_parallel * cfg.get("m", 2)
 
 
 def _data_parallel_plan(devices: int, out: Path) -> tuple[int, list[dict]]:

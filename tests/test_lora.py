@@ -11,9 +11,8 @@ pytest.importorskip("peft", reason="LoRA needs the [hf] extra: pip install -e '.
 
 from exact_compare import ELEMENT_BYTES, assert_exact
 from launch import ROOT, Launches, merged
-from one_process import as_float64, train
-from run_hf_exact import LR, lightning_batches, lora_model
-from test_hf_exact import BATCH, STEPS, micro_batches
+from references import hf_micro_batches, hf_reference
+from run_hf_exact import lora_model
 
 from lightning_bfpp.hf import CausalLM
 
@@ -38,28 +37,14 @@ def runs(tmp_path_factory) -> Launches:
     return Launches(tmp_path_factory, _plan, script=WORKER, timeout=400)
 
 
-def reference(cfg: dict, data_parallel: int):
-    """The PEFT model in float64, its own forward, SGD over its trainable parameters on Lightning's data order."""
-    model = as_float64(lora_model(cfg["family"], kv_heads=cfg.get("kv_heads", 1)))
-
-    def loss(model, batch):
-        x, y = batch
-        total = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten(), reduction="sum")
-        return total, y.numel(), total.item() / y.numel()
-
-    trained = [p for p in model.parameters() if p.requires_grad]
-    data = lightning_batches(BATCH, data_parallel)
-    losses = train(model, torch.optim.SGD(trained, lr=LR), ([next(data)] for _ in range(STEPS)), loss,
-                   micro_batches=micro_batches(cfg, data_parallel))
-    return model, losses
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_lora_trains_exactly_as_the_peft_model_in_one_process(runs, layout):
     devices, cfg = LAYOUTS[layout]
     records = runs(devices)[layout]
     dp = devices // (2 * cfg.get("tp", 1))
-    model, losses = reference(cfg, dp)
+    # the PEFT model in float64, its own forward, SGD over its trainable parameters on Lightning's data order
+    model, losses, _ = hf_reference(cfg["family"], dp, kv_heads=cfg.get("kv_heads", 1), lora=True,
+                                    micro_batches=hf_micro_batches(cfg, dp))
     initial = dict(lora_model(cfg["family"], kv_heads=cfg.get("kv_heads", 1)).named_parameters())
     params = merged(records)
     assert set(params) == set(model.state_dict())  # PEFT's own names (base_model.model...lora_A.default.weight)

@@ -29,8 +29,6 @@ from lightning_bfpp.schedule import BREADTH_FIRST, LOOPED_SCHEDULES, SCHEDULES, 
 from lightning_bfpp.schedule.dims import LayoutError, ParallelDims, nearest_multiples
 from lightning_bfpp.sim import draw
 
-_compose = compose_app
-
 
 # ---- errors that name the fix ----
 @pytest.mark.parametrize("strategy", [BFPPStrategy(pipeline_parallel=1), "bfpp"], ids=["instance", "name"])
@@ -55,7 +53,7 @@ def _error(check, *args) -> str:
 def test_every_error_that_lists_schedules_lists_the_registry():
     listing_all = [
         _error(check_spec, ScheduleSpec("zigzag")),
-        _error(check_config, _compose(["schedule=base"])),  # the app's (it left out breadth_first_zb)
+        _error(check_config, compose_app(["schedule=base"])),  # the app's (it left out breadth_first_zb)
         _error(check_command_line, ["schedule=breadth_frist"]),
     ]
     for message in listing_all:
@@ -186,7 +184,7 @@ def test_the_model_summary_note_names_the_ranks_stages():
 # ---- finding one's way in the app's folders ----
 def test_sweep_folders_carry_the_swept_values(monkeypatch):
     job = ["schedule=1f1b", "schedule.micro_batches=4", "cluster=cpu_2"]  # one job's overrides
-    HydraConfig.instance().set_config(_compose(job, hydra=True))
+    HydraConfig.instance().set_config(compose_app(job, hydra=True))
     try:
         monkeypatch.setattr(sys, "argv", ["train.py", "-m", "schedule=gpipe,1f1b", "schedule.micro_batches=2,4",
                                           "cluster=cpu_2"])

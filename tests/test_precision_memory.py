@@ -10,7 +10,7 @@ import pytest
 import torch
 from exact_compare import assert_exact
 from exact_model import reference, reference_eval
-from launch import run_lightning
+from launch import merged, run_lightning
 
 STEPS, BATCH, DEVICES, DP = 6, 16, 4, 2
 # bf16 vs fp32, per-step train_loss over 6 SGD steps (lr 0.5), relative to the fp32 loss. Measured max gaps:
@@ -44,10 +44,6 @@ def runs(tmp_path_factory):
     return dict(zip(NAMES, ranks))
 
 
-def _params(ranks: list[dict]) -> dict[str, torch.Tensor]:
-    return {n: t for r in ranks for n, t in r["params"].items()}
-
-
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b)
     return max((a[n].double() - b[n].double()).abs().max().item() for n in a)
@@ -73,7 +69,7 @@ def test_bf16_mixed_keeps_fp32_weights_and_loss_within_tolerance_of_fp32(runs, n
     gap = _rel_gap(_losses(ranks), _losses(fp32))
     print(f"{name}: max relative train_loss gap to fp32 over {STEPS} steps = {gap:.4%}")
     assert 0 < gap <= BF16_MIXED_RTOL
-    assert {t.dtype for t in _params(ranks).values()} == {torch.float32}  # master weights
+    assert {t.dtype for t in merged(ranks).values()} == {torch.float32}  # master weights
     assert {d for r in ranks for d in r["dtypes"]["grads"].values()} == {"torch.float32"}
 
 
@@ -104,7 +100,7 @@ def test_bf16_validate_test_predict(runs, name):
     """Forward-only pipelines under bf16: val/test loss and predictions close to an fp32 forward of the same
     trained weights (predictions: fp32 from the last stage under bf16-mixed, bf16 under bf16-true)."""
     ranks = runs[name]
-    state = {n: t.float() for n, t in _params(ranks).items()}
+    state = {n: t.float() for n, t in merged(ranks).items()}
     val_ref, _ = reference_eval(state, DP, BATCH // DP, limit=2)
     test_ref, outputs_ref = reference_eval(state, DP, BATCH // DP)
     for rank, r in enumerate(ranks):
@@ -122,7 +118,7 @@ def test_bf16_true_trains_in_bf16(runs):
     gap = _rel_gap(_losses(ranks), _losses(runs["fp32"]))
     print(f"bf16-true: max relative train_loss gap to fp32 over {STEPS} steps = {gap:.4%}")
     assert 0 < gap <= BF16_TRUE_RTOL
-    assert {t.dtype for t in _params(ranks).values()} == {torch.bfloat16}
+    assert {t.dtype for t in merged(ranks).values()} == {torch.bfloat16}
     assert {d for r in ranks for d in r["dtypes"]["grads"].values()} == {"torch.bfloat16"}
     assert {dtype for *_, dtype in _dtypes(ranks, "p2p")} == {"torch.bfloat16"}
     assert _dtypes(ranks, "fsdp") == {("all_gather", "torch.bfloat16"), ("reduce_scatter", "torch.bfloat16")}
@@ -132,15 +128,15 @@ def test_bf16_true_trains_in_bf16(runs):
 def test_activation_checkpointing_matches_the_single_process_reference(runs, name):
     ranks = runs[name]
     ref_params, ref_losses = reference(STEPS, BATCH, DP)
-    assert_exact(_params(ranks), ref_params, "params")
+    assert_exact(merged(ranks), ref_params, "params")
     assert_exact(_losses(ranks), ref_losses, "train_loss")
-    assert_exact(_params(ranks), _params(runs["fp64"]), "params against the run without checkpointing")
+    assert_exact(merged(ranks), merged(runs["fp64"]), "params against the run without checkpointing")
 
 
 @pytest.mark.parametrize("name", ["ac-bf16-mixed", "ac-bf16-mixed-autocast"])
 def test_activation_checkpointing_under_bf16_mixed_changes_nothing(runs, name):
     twin = runs[name.removeprefix("ac-")]
-    assert _max_diff(_params(runs[name]), _params(twin)) == 0.0  # the recomputed forward is the same computation
+    assert _max_diff(merged(runs[name]), merged(twin)) == 0.0  # the recomputed forward is the same computation
     assert _losses(runs[name]) == _losses(twin)
 
 

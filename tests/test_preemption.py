@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from exact_compare import assert_exact
 from exact_model import reference
-from launch import run_lightning, run_slurm
+from launch import merged, run_lightning, run_slurm
 from test_signals import BATCH, BUDGET_S, STOPPED, WORLD, signal_job
 
 import lightning_bfpp.checkpoint as ckpt
@@ -36,7 +36,7 @@ def equals_reference(folder: Path, work: Path) -> int:
 
 def resumed_equals_reference(work: Path, step: int, result: list[list[dict]]) -> None:
     want, _ = reference(step + MORE, BATCH)
-    params = {k: v for rank in result[0] for k, v in rank["params"].items()}  # every rank's stages
+    params = merged(result[0])  # every rank's stages
     assert_exact({k: params[k] for k in want}, want, "params")
 
 

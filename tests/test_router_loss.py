@@ -14,6 +14,7 @@ pytest.importorskip("transformers", reason="lightning_bfpp.hf needs the [hf] ext
 
 from exact_compare import assert_exact
 from one_process import as_float64, train
+from references import hf_loss
 from run_hf_exact import dataset, hf_model, load_balancing_loss64
 
 from lightning_bfpp import BFPPStrategy, mean_loss
@@ -41,17 +42,7 @@ def _reference(family: str, parts: int) -> tuple[list[tuple[float, int]], dict[s
     ((aux_loss, counted targets) of each part, gradients)."""
     model = _model(family)
     auxes: list[tuple[float, int]] = []
-
-    def loss(model, batch):
-        x, y = batch
-        out = model(x, output_router_logits=True)
-        total = F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
-        items = int((y != -100).sum())
-        aux = load_balancing_loss64(out.router_logits, model.config.num_experts_per_tok)
-        auxes.append((aux.item(), items))
-        return total + model.router_aux_loss_coef * aux * items, items, total.item() / items
-
-    train(model, torch.optim.SGD(model.parameters(), lr=0.0), [[_batch()]], loss, micro_batches=parts)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.0), [[_batch()]], hf_loss(auxes), micro_batches=parts)
     return auxes, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -17,13 +17,13 @@ from gpt import GPT
 from launch import ROOT, Launches, merged
 from lightning.pytorch import Trainer
 from one_process import BatchLoss, as_float64, train
+from references import BATCH, STEPS, gpt_optimizer, gpt_reference
 
-from lightning_bfpp import BFPPStrategy, mean_loss
+from lightning_bfpp import BFPPStrategy
 from lightning_bfpp.layout.tensor_parallel import layer_plans
 from lightning_bfpp.schedule import ScheduleSpec
 from lightning_bfpp.schedule.dims import ParallelDims
 
-STEPS, BATCH = 3, 8
 # bf16-mixed vs fp32 train_loss over 3 SGD steps, relative (test_precision_memory measured <= 0.25% over 3 steps)
 BF16_RTOL = 0.02
 
@@ -89,48 +89,14 @@ def runs(tmp_path_factory) -> Launches:
     return Launches(tmp_path_factory, _plan, script=ROOT / "tests" / "run_tp.py", timeout=600)
 
 
-def reference(steps: int, orders: list[int], opt: str = "sgd", clip: float | None = None, tied: bool = False,
-              batch: int = BATCH, ignored: bool = False, accumulate: int = 1,
-              moe: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process in float64 (``one_process.train``), the same data: step t uses Lightning's batches
-    t*accumulate.. under data_parallel = orders[t], the mean over their counted targets (each batch's own mean recorded
-    as its loss; a mixture's router loss the whole batch's)."""
-    torch.manual_seed(0)
-    model = as_float64(GPT(run_tp.model_config(tied, moe), run_tp.optim_config(opt)))
-
-    def loss(model: GPT, batch) -> BatchLoss:
-        x, y = batch
-        output = model(x)
-        total, counted = model.pipeline_loss(output, y)  # + a mixture's router loss x counted, the whole batch's
-        return total, counted, mean_loss(model._lm_loss(output, y)).item()  # train_loss: the cross-entropy's mean
-
-    data = (run_tp.lightning_batches(batch, orders[t], ignored)[t * accumulate:(t + 1) * accumulate]
-            for t in range(steps))
-    losses = train(model, _optimizer(model, opt), data, loss, clip=clip)
-    # a tied weight under each of its names (stages on different pipeline ranks hold a copy each)
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, losses
-
-
-def _optimizer(model: GPT, opt: str = "sgd") -> torch.optim.Optimizer:
-    """The example GPT's own optimizer (``GPT.configure_optimizers``: decay on matrices only), without its schedule
-    (a constant learning rate here)."""
-    o = model.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if opt == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
-
-
 def _dp(devices: int, cfg: dict) -> int:
     return devices // (cfg.get("pp", 1) * cfg.get("tp", 1))
 
 
-def _compare(ranks: list[dict], ref: tuple[dict, list[float]]) -> float:
+def _compare(ranks: list[dict], ref: tuple) -> float:
     """The ranks' parameters (merged) and train_loss equal the reference's (``exact_compare``, float64); a tied
-    weight is held under one name."""
-    ref_params, ref_losses = ref
+    weight is held under one name. `ref`: (parameters, train_loss, ...) as ``gpt_reference`` returns them."""
+    ref_params, ref_losses = ref[:2]
     params = merged(ranks)
     assert set(params) <= set(ref_params) and set(ref_params) - set(params) <= {"head.lm_head.weight"}
     diff = assert_exact(params, {n: ref_params[n] for n in params}, "params")
@@ -156,8 +122,9 @@ TRAINED += [(8, n) for n in WORLD8]
 def test_matches_one_process(runs, devices, name):
     cfg = {4: WORLD4, 8: WORLD8}[devices][name]
     ranks = runs(devices)[name]
-    ref = reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
-                    ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1), moe=cfg.get("moe", False))
+    ref = gpt_reference(STEPS, [_dp(devices, cfg)] * STEPS, clip=cfg.get("clip"), tied=cfg.get("tied", False),
+                        ignored=cfg.get("ignored", False), accumulate=cfg.get("accumulate", 1),
+                        moe=cfg.get("moe", False))
     _compare(ranks, ref)
     split = {n for r in ranks for n in r["tp_split"] if n.endswith("weight")}  # over the ranks: each its own stages
     assert split == (split_weights(cfg.get("tied", False)) if cfg.get("tp", 1) > 1 else set()), sorted(split)
@@ -166,7 +133,7 @@ def test_matches_one_process(runs, devices, name):
 @pytest.mark.parametrize("name", [n for n, c in WORLD4.items() if c.get("precision")])
 def test_bf16_mixed_follows_fp32(runs, name):
     cfg = WORLD4[name]
-    fp32 = reference(STEPS, [_dp(4, cfg)] * STEPS)[1]
+    fp32 = gpt_reference(STEPS, [_dp(4, cfg)] * STEPS)[1]
     got = runs(4)[name][0]["losses"]
     assert len(got) == len(fp32) and all(abs(a - b) <= BF16_RTOL * b for a, b in zip(got, fp32)), (got, fp32)
 
@@ -199,8 +166,8 @@ def test_adamw_resume_across_tensor_parallel_sizes(runs, saved, resumed):
     a mixture of experts' split experts (ep=2) resumed whole (ep=1) and on one replica."""
     a, b = WORLD4[saved], WORLD4[resumed]
     moe = a.get("moe", False)
-    ref = reference(4, [_dp(4, a)] * 2 + [_dp(4, b)] * 2, opt="adamw", moe=moe)
-    _compare(runs(4)[saved], reference(4, [_dp(4, a)] * 4, opt="adamw", moe=moe))
+    ref = gpt_reference(4, [_dp(4, a)] * 2 + [_dp(4, b)] * 2, opt="adamw", moe=moe)
+    _compare(runs(4)[saved], gpt_reference(4, [_dp(4, a)] * 4, opt="adamw", moe=moe))
     _compare(runs(4)[resumed], (ref[0], ref[1][2:]))  # the resumed run logs steps 3 and 4
 
 
@@ -210,7 +177,7 @@ def test_export_of_a_tensor_parallel_checkpoint_is_one_plain_file(runs, tmp_path
     ranks = runs(4)["save-tp2"]
     out = tmp_path / "model.ckpt"
     state = export(runs(4).out / "tp2" / "step=4.ckpt", out)
-    params = {n: t for r in ranks for n, t in r["params"].items()}
+    params = merged(ranks)
     assert set(state) == set(params)
     assert all(torch.equal(state[n], params[n]) for n in params)
     model = GPT(run_tp.model_config(), run_tp.optim_config("adamw"))
@@ -222,7 +189,7 @@ def test_bytes_per_rank_are_one_over_pp_dp_tp(runs):
     """P5: parameter + gradient + optimizer bytes per rank within 5% of the whole model's / (pp * dp * tp)
     (pp2 x loops2 x dp2 x tp2, SGD with momentum; stages balanced: embedding+block, block, block, block+head)."""
     ranks = runs(8)["pp2-loops2-dp2-tp2-bf"]
-    full = sum(t.numel() * t.element_size() for t in {n: t for r in ranks for n, t in r["params"].items()}.values())
+    full = sum(t.numel() * t.element_size() for t in merged(ranks).values())
     ideal = 3 * full / 8  # parameter, gradient, momentum buffer
     ratios = [sum(r["memory"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")) / ideal for r in ranks]
     print({"ratios": [round(x, 4) for x in ratios]})
@@ -373,7 +340,7 @@ def packed_reference(data_parallel: int) -> tuple[GPT, list[float]]:
         return total, items, total.item() / items
 
     data = global_batches(PackedRows(run_tp.SAMPLES, run_tp.BLOCK, run_tp.VOCAB), BATCH, data_parallel)
-    losses = train(model, _optimizer(model), ([next(data)] for _ in range(STEPS)), loss)
+    losses = train(model, gpt_optimizer(model), ([next(data)] for _ in range(STEPS)), loss)
     return model, losses
 
 

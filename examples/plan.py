@@ -96,7 +96,9 @@ def main(cfg: DictConfig) -> None:
     if not plans:
         print(f"error: no layout of model={cfg.model.name} on cluster={cfg.cluster.name} with data.batch_size="
               f"{cfg.data.batch_size} is both legal and fits: either plan.schedules / plan.loops / "
-              "plan.tensor_parallels allow no legal layout (tensor_parallel divides cluster.devices and model.n_head; "
+              "plan.tensor_parallels / plan.context_parallels allow no legal layout (tensor_parallel divides "
+              "cluster.devices and model.n_head; tensor_parallel x context_parallel divides the devices and the "
+              "sequence splits over context_parallel; "
               "pipeline_parallel x loops <= model.n_layer + 2; the batch splits over data_parallel x micro_batches), "
               f"or none fits {cluster.device_memory / 1e9:.1f} GB per device ({cluster.memory_reserve / 1e9:.1f} GB "
               "reserved): then try a smaller batch, activation checkpointing, or more devices.", file=sys.stderr)

@@ -1,20 +1,55 @@
 """BFPPStrategy's settings are described in three places that must name the same settings: its docstring (Args,
 which ``help()`` and docs/api.md show), the table of docs/settings.md, and, for the app's schedule group, the keys of
 conf/schedule/base.yaml (each with its comment). A setting added, renamed or removed in one place fails here until
-the others follow. No processes."""
+the others follow. Their defaults agree too: the signature's, or for a layout setting left at None the one
+``UNGIVEN_DEFAULTS`` gives it, is what the docs' table says and what base.yaml sets (except the app's own defaults,
+each saying so in its comment). No processes."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from lightning_bfpp import BFPPStrategy
+from lightning_bfpp.layout.plan import UNGIVEN_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = set(inspect.signature(BFPPStrategy).parameters)
+PARAMETERS = inspect.signature(BFPPStrategy).parameters
+SETTINGS = set(PARAMETERS)
+APP_DEFAULTS = {"pipeline_parallel", "micro_batches"}  # base.yaml's own choices for `make train`'s two processes
+NOT_LITERAL = object()
+
+
+def effective_default(name: str) -> Any:
+    """What a setting is when not given: its signature default, or for a layout setting whose signature default is
+    None (not pinned), the default the layout gives it."""
+    default = PARAMETERS[name].default
+    return UNGIVEN_DEFAULTS[name] if default is None and name in UNGIVEN_DEFAULTS else default
+
+
+def table_rows() -> dict[str, str]:
+    """docs/settings.md's settings table: argument -> its default cell."""
+    table = (ROOT / "docs" / "settings.md").read_text().split("| argument | default | meaning |", 1)[1]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", table.split("\n\n", 1)[0], flags=re.MULTILINE)
+    assert len(rows) == len({name for name, _ in rows}), "a setting has two rows"
+    return {name: cell.strip() for name, cell in rows}
+
+
+def cell_value(cell: str) -> Any:
+    """A default cell as a value: a Python literal (`False`, `"stop"`, 5), minutes (`30 min`), else NOT_LITERAL (a
+    described default such as "world size" or "see meaning")."""
+    if minutes := re.fullmatch(r"(\d+) min", cell):
+        return timedelta(minutes=int(minutes.group(1)))
+    try:
+        return ast.literal_eval(cell.strip("`"))
+    except (ValueError, SyntaxError):
+        return NOT_LITERAL
 
 
 def documented_args(doc: str) -> set[str]:
@@ -34,10 +69,40 @@ def test_the_docstring_describes_every_setting_once():
 
 
 def test_docs_settings_table_lists_every_setting():
-    table = (ROOT / "docs" / "settings.md").read_text().split("| argument | default | meaning |", 1)[1]
-    rows = re.findall(r"^\| `(\w+)` \|", table.split("\n\n", 1)[0], flags=re.MULTILINE)
-    assert len(rows) == len(set(rows)), "a setting has two rows"
-    assert set(rows) == SETTINGS, {"missing": sorted(SETTINGS - set(rows)), "unknown": sorted(set(rows) - SETTINGS)}
+    rows = set(table_rows())
+    assert rows == SETTINGS, {"missing": sorted(SETTINGS - rows), "unknown": sorted(rows - SETTINGS)}
+
+
+def test_docs_settings_table_gives_each_default():
+    """A literal default cell is the setting's default; a described one ("world size", "see meaning") stands for a
+    default that depends on the run (None in the signature) or is no literal (a timeout's timedelta)."""
+    wrong = {}
+    for name, cell in table_rows().items():
+        value, default = cell_value(cell), effective_default(name)
+        if value is NOT_LITERAL:
+            if default is not None and isinstance(default, (bool, int, float, str)):
+                wrong[name] = (cell, default)
+        elif value != default or type(value) is not type(default):
+            wrong[name] = (cell, default)
+    assert not wrong, wrong
+
+
+def test_the_app_schedule_values_are_the_defaults_or_say_they_are_the_apps():
+    path = ROOT / "conf" / "schedule" / "base.yaml"
+    values = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "name"}
+    comments = {line.split(":", 1)[0]: line.split("#", 1)[1] for line in path.read_text().splitlines()
+                if re.match(r"^\w+:", line) and "#" in line}
+    wrong = {}
+    for key, value in values.items():
+        default = effective_default(key)
+        if isinstance(default, timedelta):
+            default = default.total_seconds()
+        if key in APP_DEFAULTS:
+            if "app default" not in comments[key]:
+                wrong[key] = "an app default whose comment does not say so"
+        elif value is not None and value != default:  # null: not given, the strategy's default
+            wrong[key] = (value, default)
+    assert not wrong, wrong
 
 
 def test_the_app_schedule_keys_are_settings_each_with_its_comment():

@@ -24,8 +24,17 @@ from .tensor_parallel import layer_plans
 BATCH_NAMES = Names(batch="global_batch_size")
 
 
-def _given(value: Any, default: Any) -> Any:
-    return default if value is None else value
+# What a layout setting left at None means when the layout is not planned (layout="auto" plans these instead):
+# the one source of these defaults (docs/settings.md's table and conf/schedule/base.yaml are checked against it by
+# tests/test_settings_docs.py). pipeline_parallel and micro_batches depend on the world and pp (`__init__`).
+UNGIVEN_DEFAULTS: dict[str, Any] = {"schedule": "breadth_first", "loops": 1, "groups": 1, "sharding": "full",
+                                    "reshard_after_forward": False, "sequence_parallel": False}
+
+
+def _given(name: str, value: Any) -> Any:
+    """``value`` as given, or the setting's default where it is None (not given; 0, "" and the like are checked as
+    given)."""
+    return UNGIVEN_DEFAULTS[name] if value is None else value
 
 
 class LayoutPlan:
@@ -70,10 +79,10 @@ class LayoutPlan:
         self.stage_times_s: list[float] = []  # stage_layers="auto": measured seconds per stage (one micro-batch)
         pp = 1 if pipeline_parallel is None else pipeline_parallel
         m = micro_batches if micro_batches is not None else 1 if self.auto_layout else pp
-        spec = ScheduleSpec(_given(schedule, "breadth_first"), pipeline_parallel=pp, loops=_given(loops, 1),
-                            groups=_given(groups, 1), micro_batches=m,
-                            reshard_after_forward=bool(_given(reshard_after_forward, False)))
-        sharding = _given(sharding, "full")  # (None: not given; 0, "" and other values are checked as given)
+        spec = ScheduleSpec(_given("schedule", schedule), pipeline_parallel=pp, loops=_given("loops", loops),
+                            groups=_given("groups", groups), micro_batches=m,
+                            reshard_after_forward=bool(_given("reshard_after_forward", reshard_after_forward)))
+        sharding = _given("sharding", sharding)
         # Bad settings fail here, before any process starts: the layout's rules (``dims``) with the world
         # not yet known, and the schedule is generated and validated (dependencies, send/receive pairing, no
         # deadlock) now; this very schedule is what runs. The world and the model are checked once known.
@@ -81,7 +90,7 @@ class LayoutPlan:
         sizes = [s for s in (pp, tensor_parallel, expert_parallel, context_parallel) if isinstance(s, int)]
         self.dims = ParallelDims(world=math.prod(sizes), spec=spec, tensor_parallel=tensor_parallel,
                                  context_parallel=context_parallel, sharding=sharding,
-                                 sequence_parallel=_given(sequence_parallel, False),
+                                 sequence_parallel=_given("sequence_parallel", sequence_parallel),
                                  expert_parallel=expert_parallel).validate()
         self.train_schedule: Schedule = build_schedule(spec)
         # one positive count per stage now; that they add up to the model's layers is checked with the model

@@ -10,6 +10,7 @@ cost model, cluster and search space serve every schedule; nothing is tuned per 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -126,8 +127,17 @@ def possible(cluster: Cluster, beta: float, mode: str) -> bool:
                for pp in pps for t in tps)
 
 
+def progress(what: str, since: float) -> None:
+    """One line on stderr per finished piece (the tables go to stdout): a long run shows where it is."""
+    print(f"[{time.perf_counter() - since:7.0f} s] {what}", file=sys.stderr, flush=True)
+
+
 def sweep(model: Model, cluster: Cluster, betas=BETAS, modes=tuple(MODES)) -> dict:
-    results = {(beta, mode): best(model, cluster, beta, mode) for beta in betas for mode in modes}
+    results, start = {}, time.perf_counter()
+    for beta in betas:
+        for mode in modes:
+            results[beta, mode] = best(model, cluster, beta, mode)
+        progress(f"{cluster.world_size} GPUs, beta {beta:g}: {len(modes)} methods planned", start)
     return {k: ("n/a" if v is None and not possible(cluster, *k) else v) for k, v in results.items()}
 
 
@@ -183,8 +193,8 @@ def figure(panels: list[tuple[dict, str]], betas, path: Path, flops_per_token: f
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), sharey=True, squeeze=False)
     axes = axes[0]
-    style = {"breadth_first": "o-", "depth_first": "s--", "1f1b": "^-.", "gpipe": "v:", "planner": "k*:",
-             "megatron_like": "D-"}
+    style = {"breadth_first": "o-", "breadth_first_zb": "P-", "depth_first": "s--", "1f1b": "^-.", "gpipe": "v:",
+             "planner": "k*:", "megatron_like": "D-"}
     for ax, (results, title) in zip(axes, panels):
         for mode in MODES:
             xs = [b for b in betas if results[(b, mode)] not in (None, "n/a")]
@@ -339,7 +349,12 @@ def main() -> None:
     start = time.perf_counter()
     peak = float(yaml.safe_load((ROOT / "conf" / "cluster" / f"{args.cluster}.yaml").read_text())["peak_flops"])
 
-    sections = []
+    sections: list[tuple[str, str]] = []
+
+    def add(title: str, body: str) -> None:
+        sections.append((title, body))
+        progress(f"section done: {title}", start)
+
     fpt = model.flops_per_token()
     results = sweep(model, cluster, betas)
     small = replace(cluster, num_nodes=8)
@@ -347,26 +362,26 @@ def main() -> None:
     figure([(results64, f"{args.model}, {small.world_size} GPUs"),
             (results, f"{args.model}, {cluster.world_size} GPUs")],
            betas, out / "paper_reproduction_throughput.png", fpt, cluster.flops)
-    sections.append((f"{small.world_size} GPUs (no activation checkpointing)", tables(results64, betas, peak, fpt)))
-    sections.append((f"{cluster.world_size} GPUs (model as in conf/model, no activation checkpointing)",
-                     tables(results, betas, peak, fpt)))
+    add(f"{small.world_size} GPUs (no activation checkpointing)", tables(results64, betas, peak, fpt))
+    add(f"{cluster.world_size} GPUs (model as in conf/model, no activation checkpointing)",
+        tables(results, betas, peak, fpt))
 
     if args.full:
         ckpt = replace(model, checkpointing=True)
         results_ckpt = sweep(ckpt, cluster, betas)
         figure([(results_ckpt, f"{args.model} + activation checkpointing, {cluster.world_size} GPUs")], betas,
                out / "paper_reproduction_throughput_ckpt.png", fpt, cluster.flops)
-        sections.append(("With activation checkpointing (backward = 3 x forward)",
-                         tables(results_ckpt, betas, peak, model.flops_per_token())))
-        sections.append(("Sensitivity to achieved compute (no checkpointing, 25 GB/s)",
-                         sensitivity_flops(model, cluster, peak, (0.3, 0.5, 0.7), (0.5, 1, 4))))
+        add("With activation checkpointing (backward = 3 x forward)",
+            tables(results_ckpt, betas, peak, model.flops_per_token()))
+        add("Sensitivity to achieved compute (no checkpointing, 25 GB/s)",
+            sensitivity_flops(model, cluster, peak, (0.3, 0.5, 0.7), (0.5, 1, 4)))
     if not args.quick:
-        sections.append(("Sensitivity to inter-node bandwidth (no checkpointing)",
-                         sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2))))
-        sections.append(("Inter-node bandwidth with each method's layout held fixed",
-                         fixed_layout_sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2))))
-    sections.append((f"FSDP units per layer (BF-ZB, 1/8 sequence per GPU, {cluster.world_size} GPUs)",
-                     shard_unit_table(model, cluster)))
+        add("Sensitivity to inter-node bandwidth (no checkpointing)",
+            sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2)))
+        add("Inter-node bandwidth with each method's layout held fixed",
+            fixed_layout_sensitivity(model, cluster, (6.25, 12.5, 25, 50), (0.125, 0.5, 2)))
+    add(f"FSDP units per layer (BF-ZB, 1/8 sequence per GPU, {cluster.world_size} GPUs)",
+        shard_unit_table(model, cluster))
     bf1 = results.get((1, "breadth_first"))
     if bf1 not in (None, "n/a"):
         gantt(model, cluster, bf1, out / "paper_reproduction_bf_gantt.png")

@@ -24,6 +24,7 @@ from ._private.lightning_api import (
     optimizers_to_device,
     process_group_timeout,
     set_module_device_mesh,
+    skip_logged_value_moves_in_place,
     unwrap_optimizer,
 )
 from .adapter.collectives import ReplicaCollectives
@@ -272,6 +273,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
             self.runner = self._build_pipeline(module)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            skip_logged_value_moves_in_place()  # self.log's per-value walk when nothing moves (host cost per step)
             self.setup_optimizers(trainer)
             if self.on_signal == "save" and not any(isinstance(c, SaveOnSignal) for c in trainer.callbacks):
                 trainer.callbacks.append(SaveOnSignal(self._job, self.signal_checkpoint))  # after the user's callbacks

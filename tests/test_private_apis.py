@@ -142,3 +142,93 @@ def test_the_runtimes_action_ranges_are_opened_only_under_a_profiler():
         with schedules.record_function("PP:0F0"):
             torch.ones(2).sum()
     assert "PP:0F0" in {e.name for e in prof.events()}
+
+
+def _logged(reduce_fx="mean", steps=2):
+    """A Lightning result collection after `steps` logged values of `train_loss` (as self.log makes them)."""
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    results = _ResultCollection(training=True)
+    for step in range(steps):
+        results.log("training_step", "train_loss", torch.tensor(1.5 + step), on_step=True, on_epoch=True,
+                    reduce_fx=reduce_fx, batch_size=4)
+    return results["training_step.train_loss"]
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "max", "sum"])
+def test_logged_values_skip_the_move_only_when_nothing_moves(reduce_fx):
+    """``skip_logged_value_moves_in_place``: a logged value already on the device is left as Lightning's own ``to``
+    leaves it (same tensors, same values); to another device, Lightning's ``to`` moves every tensor as before."""
+    import copy
+
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+    from lightning_bfpp._private.lightning_api import skip_logged_value_moves_in_place
+
+    lightnings_to = _ResultMetric.to
+    skip_logged_value_moves_in_place()
+    skip_logged_value_moves_in_place()  # once only
+    assert getattr(_ResultMetric.to, "_bfpp_in_place", False)
+    if getattr(lightnings_to, "_bfpp_in_place", False):  # installed earlier in this process: reach Lightning's own
+        lightnings_to = _ResultMetric.to.__closure__[0].cell_contents
+    assert not getattr(lightnings_to, "_bfpp_in_place", False)
+
+    metric = _logged(reduce_fx)
+    metric.compute()  # a computed value is cached on it too
+    reference = lightnings_to(copy.deepcopy(metric), torch.device("cpu"))
+    assert metric.to(torch.device("cpu")) is metric  # returned at once ...
+    tensors = {k: v for k, v in metric.__dict__.items() if isinstance(v, torch.Tensor)}
+    assert tensors.keys() == {k for k, v in reference.__dict__.items() if isinstance(v, torch.Tensor)}
+    for name, tensor in tensors.items():  # ... and what Lightning's walk would have left
+        assert torch.equal(tensor, reference.__dict__[name]) and tensor.device == reference.__dict__[name].device
+    moved = metric.to(torch.device("meta"))  # something to move: Lightning's own
+    assert all(v.device.type == "meta" for v in moved.__dict__.values() if isinstance(v, torch.Tensor))
+    assert moved.value.device.type == "meta" and all(t.device.type == "meta" for t in moved._defaults.values())
+
+
+def test_a_trainers_logged_loss_is_unchanged_by_the_skipped_move():
+    """Through a Trainer (strategy="auto"), the loss logged every step and its epoch mean are what they are with
+    Lightning's own move."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_bfpp._private.lightning_api import skip_logged_value_moves_in_place
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            self.seen.append(float(self.trainer.callback_metrics.get("train_loss_step", float("nan"))))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit() -> tuple[list[float], float]:
+        torch.manual_seed(1)
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        net = Net()
+        trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, accelerator="cpu", devices=1)
+        trainer.fit(net, DataLoader(data, batch_size=8))
+        return net.seen, float(trainer.callback_metrics["train_loss_epoch"])
+
+    skip_logged_value_moves_in_place()
+    patched = _ResultMetric.to
+    with_skip = fit()
+    _ResultMetric.to = patched.__closure__[0].cell_contents  # Lightning's own
+    try:
+        without = fit()
+    finally:
+        _ResultMetric.to = patched
+    assert with_skip == without

@@ -172,7 +172,7 @@ def test_logged_values_skip_the_move_only_when_nothing_moves(reduce_fx):
     skip_logged_value_moves_in_place()  # once only
     assert getattr(_ResultMetric.to, "_bfpp_in_place", False)
     if getattr(lightnings_to, "_bfpp_in_place", False):  # installed earlier in this process: reach Lightning's own
-        lightnings_to = _ResultMetric.to.__closure__[0].cell_contents
+        lightnings_to = _ResultMetric.to.__wrapped__
     assert not getattr(lightnings_to, "_bfpp_in_place", False)
 
     metric = _logged(reduce_fx)
@@ -226,7 +226,7 @@ def test_a_trainers_logged_loss_is_unchanged_by_the_skipped_move():
     skip_logged_value_moves_in_place()
     patched = _ResultMetric.to
     with_skip = fit()
-    _ResultMetric.to = patched.__closure__[0].cell_contents  # Lightning's own
+    _ResultMetric.to = patched.__wrapped__  # Lightning's own
     try:
         without = fit()
     finally:

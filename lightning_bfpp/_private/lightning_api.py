@@ -4,6 +4,7 @@ versions against the tested ranges (versions.SUPPORTED). Also private, and not w
 overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a strategy chooses its launcher)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -158,11 +159,12 @@ def skip_logged_value_moves_in_place() -> None:
     returning early is the same result; any other call (another device, a dtype, a torchmetrics value) goes to
     Lightning's own ``to``. Applies to every Lightning run in the process (speed only). Public alternative checked:
     none; ``self.log`` always calls it, and bfpp's loss must stay a ``self.log`` value (callbacks, loggers, the
-    progress bar read it there). Idempotent."""
+    progress bar read it there). Idempotent; Lightning's own stays reachable as ``_ResultMetric.to.__wrapped__``."""
     if getattr(_ResultMetric.to, "_bfpp_in_place", False):
         return
     move = _ResultMetric.to
 
+    @functools.wraps(move)
     def to(self: _ResultMetric, *args: Any, **kwargs: Any) -> _ResultMetric:
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.device) and _all_on(self, args[0]):
             return self

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
@@ -25,7 +25,6 @@ from ._private.lightning_api import (
     process_group_timeout,
     set_module_device_mesh,
     skip_logged_value_moves_in_place,
-    unwrap_optimizer,
 )
 from .adapter.collectives import ReplicaCollectives
 from .adapter.lightning_output import ParameterCount, adapt_lightning_output
@@ -33,6 +32,7 @@ from .adapter.loader import check_split, check_training_loader
 from .adapter.precision import pipeline_precision
 from .adapter.training import TrainingStep
 from .adapter.user_steps import PipelineSteps
+from .checkpoint.strategy_hooks import CheckpointHooks
 from .contract.hooks import built_in_configure_model, check_callbacks, check_module, check_precision
 from .contract.source_notes import announce_contract
 from .job.guard import JobGuard, as_timeout, rendezvous
@@ -52,7 +52,7 @@ from .runtime.reduce import clip_grad_norm_on_mesh
 from .schedule import Schedule
 
 
-class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
+class BFPPStrategy(PipelineSteps, ReplicaCollectives, CheckpointHooks, ModelParallelStrategy):
     """Breadth-first pipeline parallelism (looped stages) x FSDP data parallelism for Lightning. Every setting is
     checked before any process starts; docs/settings.md describes each in full.
 
@@ -340,32 +340,6 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, ModelParallelStrategy):
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @override
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        return ckpt.optimizer_state(self.model, unwrap_optimizer(optimizer))
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError("strategy='bfpp' writes torch.distributed.checkpoint folders; storage_options is not "
-                            "supported.")
-        trainer = self.lightning_module.trainer
-        self.runner is not None and self.runner.settle()
-        fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
-        ckpt.save_trainer_checkpoint(
-            Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],
-            self.plan.checkpoint_meta(self.stage_layer_names), self.param_order,
-            self.tied.aliases() if self.tied is not None else {}, self._saves if self.async_save and fitting else None,
-            self.storage)
-
-    @override
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
-        aliases = self.tied.aliases() if self.tied is not None else None
-        # every rank checks the checkpoint (under torchrun/SLURM no launcher has) and loads without running code
-        return ckpt.load(path, self.model, optimizers, strict=self.lightning_module.strict_loading, aliases=aliases,
-                         trust=self.trust_checkpoints, param_order=self.param_order)
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Check the loader against the layout (before the first step); on a mid-epoch resume start the training loader

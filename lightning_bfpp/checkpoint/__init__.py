@@ -6,7 +6,7 @@ optimizer state by position; a checksum manifest (``manifest``); loading that ne
 (``safety``); export to one plain file (``export``) or a Hugging Face directory (``hf_dir``), the command
 ``python -m lightning_bfpp.checkpoint`` (``cli``). The storage under them
 (``storage``: its errors kept, free space, writable folders), what a failure says (``errors``), and the partial
-folders of interrupted saves (``partial``).
+folders of interrupted saves (``partial``). The strategy's own checkpoint hooks are the mixin ``strategy_hooks``.
 
 May import: ``_private``.
 """

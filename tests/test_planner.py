@@ -12,6 +12,7 @@ from lightning_bfpp.schedule import SCHEDULES
 from lightning_bfpp.sim import Cluster, Model
 from lightning_bfpp.sim.bounds import memory_lower_bound
 from lightning_bfpp.sim.planner import candidate_costs, candidates, search, simulate_candidate
+from lightning_bfpp.sim.search_cache import order_memory_lower_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,6 +114,20 @@ def test_memory_filter_and_lower_bound():
     costs = candidate_costs(model, cluster, c)
     no_grads = dataclasses.replace(costs, stages=[dataclasses.replace(st, grad_bytes=0) for st in costs.stages])
     assert memory_lower_bound(c, costs) > memory_lower_bound(c, no_grads)
+
+
+def test_the_compute_orders_memory_bound_is_below_every_simulated_peak_and_sees_deferred_weight_passes():
+    """``order_memory_lower_bound`` (activations and weight-pass inputs as the rank's compute order holds them) is no
+    more than the simulated peak, for every schedule; under zero bubble with groups it sees what the layout-only bound
+    cannot (its weight passes wait for idle time, so a group's activations outlive the group)."""
+    model, cluster = _load("gpt_small", "gpu_8")
+    every = list(candidates(model, cluster, 64, max_micro_batches=16, max_groups=8))
+    assert {c.schedule for c in every} == set(SCHEDULES)
+    for c in every[::3]:
+        assert order_memory_lower_bound(model, cluster, c) <= simulate_candidate(model, cluster, c).peak_memory
+    zb = [c for c in every if c.schedule == "breadth_first_zb" and c.groups > 1 and c.pipeline_parallel > 1]
+    layout_only = [memory_lower_bound(c, candidate_costs(model, cluster, c)) for c in zb]
+    assert zb and any(order_memory_lower_bound(model, cluster, c) > b for c, b in zip(zb, layout_only))
 
 
 def test_overrides_format():

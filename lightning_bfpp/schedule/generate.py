@@ -2,6 +2,8 @@
 and the legality rules of the schedule knobs. Communication is added later by `lower.py`."""
 from __future__ import annotations
 
+from collections import deque
+
 from .actions import BREADTH_FIRST, LOOPED_SCHEDULES, SCHEDULES, Action, Op, ScheduleError, ScheduleSpec
 from .checks import is_count
 
@@ -84,9 +86,13 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
     todo = {r: [Action(a.stage, Op.BACKWARD_INPUT if a.op == Op.BACKWARD else a.op, a.micro_batch)
                 for a in _breadth_first(spec, r)] for r in range(pp)}
     last_local = {r: spec.local_stages(r)[-1] for r in range(pp)}
+    # each rank's list is read through two cursors (linear time at any number of micro-batches): `head`, its first
+    # action not taken, and `first_i`, its last local stage's first I not taken (taken in order, so it only advances)
+    taken = {r: [False] * len(todo[r]) for r in range(pp)}
+    head, first_i = dict.fromkeys(range(pp), 0), dict.fromkeys(range(pp), 0)
     finished: dict[tuple[Op, int, int | None], int] = {}  # (op, stage, micro-batch) -> the tick it ends
     order: dict[int, list[Action]] = {r: [] for r in range(pp)}
-    deferred: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    deferred: dict[int, deque[Action]] = {r: deque() for r in range(pp)}
 
     def ready(a: Action, tick: int) -> bool:
         if a.op == Op.FORWARD:
@@ -96,34 +102,47 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
             need += [(Op.BACKWARD_INPUT, a.stage + 1, a.micro_batch)] if a.stage < last else []
         return all(finished.get(k, tick + 1) <= tick for k in need)
 
-    def pick(r: int, tick: int) -> Action | None:
-        head = todo[r][0]
-        if head.op == Op.FORWARD and head.stage == last_local[r]:  # an I of this stage may overtake its forwards
-            first_i = next(a for a in todo[r] if a.op == Op.BACKWARD_INPUT and a.stage == head.stage)
-            if ready(first_i, tick):
-                return first_i
-        return head if ready(head, tick) else None
+    def next_i(r: int, stage: int) -> int:
+        i, acts = first_i[r], todo[r]
+        while taken[r][i] or acts[i].op != Op.BACKWARD_INPUT or acts[i].stage != stage:
+            i += 1
+        first_i[r] = i
+        return i
+
+    def pick(r: int, tick: int) -> int | None:
+        h = todo[r][head[r]]
+        if h.op == Op.FORWARD and h.stage == last_local[r]:  # an I of this stage may overtake its forwards
+            i = next_i(r, h.stage)
+            if ready(todo[r][i], tick):
+                return i
+        return head[r] if ready(h, tick) else None
+
+    def take(r: int, i: int) -> Action:
+        taken[r][i] = True
+        while head[r] < len(todo[r]) and taken[r][head[r]]:
+            head[r] += 1
+        return todo[r][i]
 
     def ticks(a: Action) -> int:
         return 1 if a.stage > 0 or a.op == Op.FORWARD else 0 if a.op == Op.BACKWARD_INPUT else 2
 
     tick, free_at = 0, dict.fromkeys(range(pp), 0)
-    while any(todo.values()):
+    while any(head[r] < len(todo[r]) for r in range(pp)):
         for r in range(pp):
             while tick >= free_at[r]:  # a first-stage I takes no time: the rank goes on in the same tick
-                a = pick(r, tick) if todo[r] else None
-                if a is not None:
-                    todo[r].remove(a)
+                i = pick(r, tick) if head[r] < len(todo[r]) else None
+                if i is not None:
+                    a = take(r, i)
                     if a.op == Op.BACKWARD_INPUT:
                         deferred[r].append(Action(a.stage, Op.BACKWARD_WEIGHT, a.micro_batch))
                 elif deferred[r]:
-                    a = deferred[r].pop(0)
+                    a = deferred[r].popleft()
                 else:
                     break
                 order[r].append(a)
                 free_at[r] = finished[(a.op, a.stage, a.micro_batch)] = tick + ticks(a)
         tick += 1
-    return {r: order[r] + deferred[r] for r in range(pp)}
+    return {r: order[r] + list(deferred[r]) for r in range(pp)}
 
 
 def _interleave_1f1b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:

@@ -1,10 +1,11 @@
 """What no run of a candidate layout can beat, checked before it is lowered and simulated (the planner's pruning):
-its memory, its step time and its data-parallel collectives' time, and a cheap pre-filter on its weights' state."""
+its memory (from its layout alone, then from its compute order), its step time and its data-parallel collectives'
+time, and a cheap pre-filter on its weights' state."""
 from __future__ import annotations
 
 from typing import Any
 
-from ..schedule import BREADTH_FIRST, Op, Schedule
+from ..schedule import BREADTH_FIRST, Action, Op, Schedule
 from .cluster import Cluster
 from .cost import Costs, state_bytes
 from .model import Model
@@ -42,6 +43,35 @@ def memory_lower_bound(c: Candidate, costs: Costs) -> float:
         held = c.groups > 1 and c.sharding == "full" and c.schedule in BREADTH_FIRST and c.residency == "step"
         grads = sum(st.grad_bytes * st.gathered_params for st in local) if held else 0.0
         worst = max(worst, state + live + gathered + grads + min(st.workspace for st in local))
+    return worst
+
+
+def order_memory_bound(order: dict[int, list[Action]], costs: Costs) -> float:
+    """Bytes some rank certainly needs when it computes in `order` (its schedule's compute order, before lowering):
+    its state, and at the fullest point of its order the activations held from each forward to its backward (to its
+    weight pass W under zero bubble) plus what each input-gradient pass I keeps for its W — the simulator's own
+    accounting of those two, which a rank's order alone decides. Gathered weights, gradients and a backward's working
+    set are left out (they depend on timing), so no simulated peak is below it; zero bubble's deferred W passes hold
+    activations that the layout-only `memory_lower_bound` cannot see."""
+    worst = 0.0
+    for rank, actions in order.items():
+        level = most = 0.0
+        for a in actions:
+            st = costs.stages[a.stage]
+            if a.op is Op.FORWARD:
+                level += st.activation
+                most = max(most, level)
+            elif a.op is Op.BACKWARD_INPUT:
+                level += st.weight_pass_bytes
+                most = max(most, level)
+            elif a.op is Op.BACKWARD:
+                level -= st.activation
+            elif a.op is Op.BACKWARD_WEIGHT:
+                level -= st.activation + st.weight_pass_bytes
+        local = [costs.stages[s] for s in range(rank, len(costs.stages), len(order))]
+        state = state_bytes(sum(st.params for st in local), costs.sharding, costs.data_parallel,
+                            sum(st.gathered_params for st in local))
+        worst = max(worst, state + most)
     return worst
 
 

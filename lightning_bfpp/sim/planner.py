@@ -22,7 +22,14 @@ from .bounds import comm_lower_bound, memory_lower_bound, static_fits
 from .cluster import Cluster
 from .model import Model
 from .residency import RESIDENCIES
-from .search_cache import candidate_costs, candidate_schedule, known_step, simulated, throughput_bound
+from .search_cache import (
+    candidate_costs,
+    candidate_schedule,
+    known_step,
+    order_memory_lower_bound,
+    simulated,
+    throughput_bound,
+)
 from .simulate import SimOptions, SimResult, evaluate, simulate
 
 DEFAULT_LOOPS = (1, 2, 3, 4, 6, 8, 16)
@@ -268,6 +275,8 @@ def search(
         key = (model, cluster, c, options)
         r = known_step(key)  # simulated by an earlier search (another method's, another table's)
         if r is None:
+            if prune and order_memory_lower_bound(model, cluster, c) > cluster.usable_memory:
+                continue  # its compute order alone holds more than fits (zero bubble's deferred weight passes)
             schedule = candidate_schedule(c)
             comm = comm_lower_bound(schedule, costs) if prune and bar else 0.0
             if comm and costs.tokens_per_step / comm / devices < bar:

@@ -1,6 +1,7 @@
 """What the planner's searches share, across calls too (the paper reproduction runs hundreds over one model and
-cluster): stage costs keyed by what they depend on, each cost set's throughput bound, lowered schedules (up to a budget
-of actions) and simulated steps (their numbers only). Every key holds all that decides its value; clearing only frees
+cluster): stage costs keyed by what they depend on, each cost set's throughput bound, compute orders (the last few) and
+the memory bound each order sets, lowered schedules (up to a budget of actions) and simulated steps (their numbers
+only). Every key holds all that decides its value; clearing only frees
 memory."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from ..schedule import Schedule, ScheduleSpec, compute_order, lower
-from .bounds import step_time_lower_bound
+from .bounds import order_memory_bound, step_time_lower_bound
 from .cluster import Cluster
 from .cost import Costs, build_costs
 from .model import Model
@@ -34,7 +35,7 @@ class _Schedules:
             self.entries.move_to_end(key)
             return found
         if residency == "step" and cache == 0:  # lowered without the validator (fast); picks are validated after
-            schedule = Schedule(spec, lower(spec, compute_order(spec)))
+            schedule = Schedule(spec, lower(spec, _compute_order(_order_key(spec))))
         else:
             schedule = relower(self(spec, "step", 0), residency, cache)
         self.entries[key] = schedule
@@ -57,6 +58,28 @@ _SCHEDULES = _Schedules(budget=4_000_000)  # the paper reproduction at 2 and 4 s
 def candidate_schedule(c: Candidate) -> Schedule:
     """The action lists the simulator plays for `c` (its residency's FSDP placement)."""
     return _SCHEDULES(c.spec(), c.residency, c.cache)
+
+
+def _order_key(spec: ScheduleSpec) -> ScheduleSpec:
+    """`spec` up to what its compute order does not depend on (FSDP's reshard policy is placed by lowering)."""
+    return replace(spec, reshard_after_forward=False)
+
+
+@lru_cache(maxsize=4)  # the orders of a family's variants (residencies, reshard policies): one at large m is ~20 MB
+def _compute_order(spec: ScheduleSpec) -> dict:
+    return compute_order(spec)
+
+
+def order_memory_lower_bound(model: Model, cluster: Cluster, c: Candidate) -> float:
+    """``bounds.order_memory_bound`` of `c`'s compute order (0 for a forward-only spec, whose forwards free their own
+    activations): shared by the candidates with the same order and stage costs."""
+    spec = c.spec()
+    return 0.0 if spec.forward_only else _order_memory(model, cluster, _cost_key(c), _order_key(spec))
+
+
+@lru_cache(maxsize=100_000)
+def _order_memory(model: Model, cluster: Cluster, key: Candidate, spec: ScheduleSpec) -> float:
+    return order_memory_bound(_compute_order(spec), _costs(model, cluster, key))
 
 
 def candidate_costs(model: Model, cluster: Cluster, c: Candidate) -> Costs:
@@ -123,9 +146,11 @@ def simulated(key: tuple, schedule: Schedule, costs: Costs, options: SimOptions)
 
 
 def clear_caches() -> None:
-    """Forget what the searches share: stage costs, throughput bounds, lowered schedules, simulated steps (they are
-    keyed by everything that decides them; this only frees memory)."""
+    """Forget what the searches share: stage costs, throughput bounds, compute orders and their memory bounds, lowered
+    schedules, simulated steps (they are keyed by everything that decides them; this only frees memory)."""
     _costs.cache_clear()
     _throughput_bound.cache_clear()
+    _compute_order.cache_clear()
+    _order_memory.cache_clear()
     _SCHEDULES.clear()
     _STEPS.clear()

@@ -95,8 +95,9 @@ def test_under_tensor_parallel_each_tp_coordinate_has_its_own_expert_groups():
     (dict(world=8, pp=1, ep=2, tensor_parallel=2, context_parallel=2),
      r"expert_parallel=2 with tensor_parallel=2 and context_parallel=2: expert parallel combines with tensor parallel "
      r"or with context parallel, not with both at once yet; set context_parallel=1"),
-    (dict(world=4, pp=1, ep=4, tensor_parallel=2), r"expert_parallel=4 must divide the data-parallel size 2 \(devices x "
-                                                   r"num_nodes=4 / pipeline_parallel=1 / tensor_parallel=2\)"),
+    (dict(world=4, pp=1, ep=4, tensor_parallel=2),
+     r"expert_parallel=4 must divide the data-parallel size 2 \(devices x num_nodes=4 / pipeline_parallel=1 / "
+     r"tensor_parallel=2\)"),
     (dict(world=4, pp=1, ep=2, sharding="none"), r"expert_parallel=2 with sharding='none'.*use sharding=full"),
     (dict(world=4, pp=1, ep=2, schedule="breadth_first_zb"), r"expert_parallel=2 with schedule='breadth_first_zb': "
                                                              r"the zero-bubble split backward .*use schedule="
@@ -255,6 +256,27 @@ def test_expert_parallel_costs_gather_a_part_of_the_experts_and_add_all_to_alls(
     p, whole = 1000.0, 400.0
     assert state_bytes(p, "full", 4, whole) == state_bytes(p, "full", 4)
     assert state_bytes(p, "none", 4, whole) == 20 * whole
+
+
+def test_the_simulator_keeps_a_mixture_whole_under_tensor_parallel_and_the_planner_offers_ep_x_tp():
+    """The runtime's expert x tensor parallel: tp splits a MoE block's attention only; the router and experts are whole
+    on every tp rank (expert parallel splits the experts), so the simulator divides attention alone by tp, and the
+    planner's candidates include ep x tp (ep x tp x cp is refused: none)."""
+    from lightning_bfpp.sim import Cluster
+    from lightning_bfpp.sim.planner import candidates, simulate_candidate
+
+    model = _moe_model()
+    h = model.n_embd
+    assert model.layer_expert_params(2) == model.layer_expert_params(1)
+    assert model.layer_params(2)[1] == model.layer_params(1)[1] - (4 * h * h + 2 * h) // 2
+    mixture = model.layer_forward_flops(1)[1] - (2 * 4 * h * h + 4 * model.seq * h)
+    assert model.layer_forward_flops(2)[1] == (2 * 4 * h * h + 4 * model.seq * h) / 2 + mixture
+    cluster = Cluster(devices=4, num_nodes=1, flops=1e10, device_memory=8e9, intra_bw=2e9, inter_bw=2e9, latency=5e-5)
+    found = [c for c in candidates(model, cluster, 8, schedules=("breadth_first",), loops=(2,), shardings=("full",),
+                                   tensor_parallels=(2,), expert_parallels=(2,), context_parallels=(1, 2))]
+    assert found and {(c.pipeline_parallel, c.tensor_parallel, c.expert_parallel, c.context_parallel)
+                      for c in found} == {(1, 2, 2, 1)}
+    assert simulate_candidate(model, cluster, found[0]).step_time > 0
 
 
 def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_has_more_of_them():

@@ -4,8 +4,9 @@ and settings BFPPStrategy refuses before launch, and the example's MoE in one pr
 micro-batches from the step's totals, the whole batch's or each micro-batch's own; its grouped matmul). In one launch of
 4 processes (tests/run_tp.py, float64, against tests/one_process.train): the example's MoE under 1F1B, depth-first,
 zero bubble and breadth-first in 2 groups with router_loss="micro_batch" (ep=2 where dp is 2; pp=2 x cp=2 too),
-breadth-first with the whole batch's ("batch"), and expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
-and depth-first). Also trained against one process: tests/test_hf_exact.py (Mixtral,
+breadth-first with the whole batch's ("batch"), expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
+and depth-first) and expert x tensor parallel (pp=1 x dp=2 x tp=2, ep=2: breadth-first with and without sequence
+parallel, depth-first with it). Also trained against one process: tests/test_hf_exact.py (Mixtral,
 Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel
 sizes)."""
 
@@ -299,7 +300,8 @@ def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_
 
 # ---- the example's MoE against one process, in float64 (one launch of 4 processes) ----
 F64 = {"moe": True, "precision": "64-true"}
-LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss each schedule gets by default unless given
+LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), pp=2 x cp=2, or pp=1 x dp=2 x cp|tp=2; the router loss each schedule gets
+    # by default unless given
     "1f1b-ep2": {"pp": 2, "m": 4, "schedule": "1f1b", "ep": 2, **F64},
     "depth_first-ep2": {"pp": 2, "loops": 2, "m": 2, "schedule": "depth_first", "ep": 2, **F64},
     "zero_bubble": {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "router_loss": "micro_batch", **F64},
@@ -313,6 +315,8 @@ LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss ea
     # each tp coordinate (whole on their rank); with sequence parallel the mixture runs on the gathered sequence
     "ep2-tp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, **F64},
     "ep2-tp2-sp": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, "sp": True, **F64},
+    "depth_first-ep2-tp2-sp": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, "sp": True, "schedule": "depth_first",
+                               **F64},
 }
 
 

@@ -52,7 +52,7 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None =
         grid = torch.arange(dims.world).reshape(shape)
         return DeviceMesh.from_group(_dim_groups(grid, timeout), device_type, mesh=grid, mesh_dim_names=names)
 
-    mesh = _once(("mesh", device_type, shape, timeout), make)
+    mesh = _once(("mesh", device_type, shape, names, timeout), make)  # by names too: (pp, dp, cp) or (pp, dp, tp)
     if dims.context_parallel > 1:
         _once(("parameter mesh", id(mesh)), lambda: _parameter_mesh(dims, mesh, timeout))
     return mesh
@@ -94,13 +94,16 @@ def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh, device_type: str,
     share a root)."""
     shape, names = dims.expert_mesh_shape, dims.expert_mesh_dim_names
 
+    ranks = dims.expert_mesh_ranks()
+
     def make() -> DeviceMesh:
-        grid = torch.tensor(dims.expert_mesh_ranks())  # (under context parallel not the ranks in order)
+        grid = torch.tensor(ranks)  # (under context parallel not the ranks in order)
         tp = [mesh[TP].get_group()] if TP in names else []
         groups = [mesh.get_group(0), *_dim_groups(grid, timeout, first=1, stop=3), *tp]
         return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
 
-    return _once(("expert mesh", device_type, shape, timeout), make)
+    # by its ranks and names: the same shape lays out other ranks under context parallel, or has TP for its last dim
+    return _once(("expert mesh", device_type, id(mesh), names, repr(ranks), timeout), make)
 
 
 def _dim_groups(ranks: torch.Tensor, timeout: timedelta | None, first: int = 0,

@@ -92,9 +92,7 @@ def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh, device_type: str,
     whose pipeline and tensor-parallel groups it reuses (new groups for the experts' copies and parts only). An expert's
     weights live on it: split over EP, FSDP-sharded over EDP (one mesh: FSDP requires both of a weight's meshes to
     share a root)."""
-    shape, names = dims.expert_mesh_shape, dims.expert_mesh_dim_names
-
-    ranks = dims.expert_mesh_ranks()
+    names, ranks = dims.expert_mesh_dim_names, dims.expert_mesh_ranks()  # its shape: ``expert_mesh_shape``
 
     def make() -> DeviceMesh:
         grid = torch.tensor(ranks)  # (under context parallel not the ranks in order)

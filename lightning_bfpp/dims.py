@@ -221,7 +221,7 @@ class ParallelDims:
         if dim == EP:
             return [self.rank(pipeline, copy * self.expert_parallel + e, tensor, context)
                     for e in range(self.expert_parallel)]
-        if dim == EDP:  # every rank holding the same experts: their copies x the context-parallel ranks
+        if dim == EDP:  # every rank holding the same experts: their copies x the context-parallel ranks (one tp rank)
             return [self.rank(pipeline, c * self.expert_parallel + part, tensor, ctx)
                     for c in range(self.expert_data_parallel) for ctx in range(self.context_parallel)]
         raise ValueError(f"{dim!r} is not a mesh dimension ({PP}, {DP}, {CP}, {TP}, {EP}, {EDP})")

@@ -5,10 +5,10 @@ micro-batches from the step's totals, the whole batch's or each micro-batch's ow
 4 processes (tests/run_tp.py, float64, against tests/one_process.train): the example's MoE under 1F1B, depth-first,
 zero bubble and breadth-first in 2 groups with router_loss="micro_batch" (ep=2 where dp is 2; pp=2 x cp=2 too),
 breadth-first with the whole batch's ("batch"), expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
-and depth-first) and expert x tensor parallel (pp=1 x dp=2 x tp=2, ep=2: breadth-first with and without sequence
-parallel, depth-first with it). Also trained against one process: tests/test_hf_exact.py (Mixtral,
-Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel
-sizes)."""
+and depth-first), expert x tensor parallel (pp=1 x dp=2 x tp=2, ep=2: breadth-first with and without sequence
+parallel, depth-first with it) and pp=2 x tp=2 with sequence parallel (the experts whole). Also trained against one
+process: tests/test_hf_exact.py (Mixtral, Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2; Mixtral at pp=1 x dp=2 x tp=2 x
+ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel sizes, and from ep x tp x sp)."""
 
 from __future__ import annotations
 
@@ -317,6 +317,8 @@ LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), pp=2 x cp=2, or pp=1 x dp=2 x cp|t
     "ep2-tp2-sp": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, "sp": True, **F64},
     "depth_first-ep2-tp2-sp": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, "sp": True, "schedule": "depth_first",
                                **F64},
+    # the mixture under tp alone (experts whole on every rank), its routing statistics crossing stages under sp
+    "pp2-tp2-sp": {"pp": 2, "loops": 2, "m": 2, "tp": 2, "sp": True, **F64},
 }
 
 

@@ -225,7 +225,8 @@ class GPT(PipelineHooks, L.LightningModule):
         columns (logits gathered); tied, both stay whole (a tied weight cannot be split). Every layer's output is whole.
         `sequence_parallel`: between layers each rank holds its 1/tp of the sequence; the norms run on it and are
         all-gathered after (ln_1, ln_2) or before (the head); proj and mlp.2 reduce-scatter instead of all-reduce;
-        the embedding's output is cut to the rank's shard."""
+        the embedding's output is cut to the rank's shard. A mixture-of-experts block splits its attention only
+        (`_moe_block_plan`)."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -236,9 +237,6 @@ class GPT(PipelineHooks, L.LightningModule):
             sequence_scatter,
         )
 
-        if self.cfg.n_experts:
-            raise ValueError(f"model.n_experts={self.cfg.n_experts}: the example's tensor-parallel plan splits dense "
-                             "MLPs only; set schedule.tensor_parallel=1 (schedule.expert_parallel splits the experts).")
         if self.cfg.n_head % tensor_parallel:
             fits = [t for t in range(1, self.cfg.n_head + 1) if self.cfg.n_head % t == 0]
             raise ValueError(f"model.n_head={self.cfg.n_head} must be divisible by tensor_parallel={tensor_parallel} "
@@ -253,6 +251,8 @@ class GPT(PipelineHooks, L.LightningModule):
             return {**plan, "": sequence_gather(use_local_output=True)} if sp else plan or None
         if not isinstance(layer, Block):
             return None
+        if self.cfg.n_experts:  # attention split; the mixture whole on every tp rank, on the same tokens
+            return self._moe_block_plan(sp)
         plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "mlp.0": ColwiseParallel()}
         if not sp:  # the norms' outputs handed on as one replicated tensor: q/k/v's input gradients all-reduced once
             return {**plan, "proj": RowwiseParallel(), "mlp.2": RowwiseParallel(),
@@ -260,6 +260,27 @@ class GPT(PipelineHooks, L.LightningModule):
         scatter = RowwiseParallel(output_layouts=Shard(1))  # its output summed over tp and cut to this rank's shard
         return {**plan, "proj": scatter, "mlp.2": scatter,
                 "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(gather_output=True)}
+
+    @staticmethod
+    def _moe_block_plan(sequence_parallel: bool) -> dict:
+        """A mixture-of-experts block: attention split as in a dense block; the router and the experts computed whole
+        on every tensor-parallel rank, on the whole sequence (Megatron's expert tensor-parallel size 1: expert
+        parallel, not tp, splits the experts), so every tp rank routes the same tokens and gets the same gradients.
+        `sequence_parallel`: ln_2 runs on this rank's shard (its weights' gradients summed over tp), the mixture
+        gathers the sequence and hands back this rank's shard (``whole_block``); without it ln_2 and the mixture
+        are plain (their input is whole and the same on every tp rank)."""
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from lightning_bfpp.layout.tp_styles import whole_block
+        from lightning_bfpp.modeling import replicated_output, sequence_parallel_norm
+
+        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel()}
+        if not sequence_parallel:
+            return {**plan, "proj": RowwiseParallel(), "ln_1": replicated_output()}
+        return {**plan, "proj": RowwiseParallel(output_layouts=Shard(1)),
+                "ln_1": sequence_parallel_norm(gather_output=True), "ln_2": sequence_parallel_norm(local_output=True),
+                "mlp": whole_block()}
 
     def pipeline_context_parallel(self, layer_name: str, layer: nn.Module, context_parallel: int) -> bool:
         """Every layer runs on a shard of each sequence: the embedding takes its tokens' positions from

@@ -8,8 +8,9 @@ For each model, cluster size and method, the planner's search restricted to that
 sequence per GPU. Models: conf/model/mixtral_8x22b.yaml (8 experts: expert parallel stays inside a node) and
 conf/model/deepseek_v3_like.yaml (256 experts: expert parallel up to 64, across nodes; it fits from 256 GPUs), both
 with activation checkpointing; cluster: conf/cluster/a100_paper.yaml (8 A100-80GB per node, 25 GB/s per GPU between
-nodes). Every method searches the same space with the same cost model; tensor parallel is off (expert parallel does
-not combine with it in the runtime), as in DeepSeek-V3's own training (pp x ep, no tp).
+nodes). Every method searches the same space with the same cost model; tensor parallel is off (under it the runtime
+computes the router and experts whole on every tp rank: tp would split attention only), as in DeepSeek-V3's own
+training (pp x ep, no tp).
 """
 
 from __future__ import annotations

@@ -30,7 +30,11 @@ PP, DP, TP = "pipeline_parallel", "data_parallel", "tensor_parallel"
 # expert-parallel group is consecutive data-parallel ranks, as torchtitan's and Megatron-Core's). The experts get their
 # own mesh (PP, EDP, EP): the mesh above keeps DP whole for Lightning's sampler and the other weights' FSDP. Under
 # context parallel an expert-parallel group is those ranks at one context-parallel coordinate (the tokens of a sequence
-# shard are dispatched like any others), and EDP holds every rank with the same experts: copies x context ranks.
+# shard are dispatched like any others), and EDP holds every rank with the same experts: copies x context ranks. Under
+# tensor parallel the experts are not split by tp (Megatron's expert_tensor_parallel_size 1): the tp ranks of a replica
+# compute the mixture on the same tokens (the whole sequence, gathered under sequence parallel, as every block a plan
+# keeps whole), so each tp coordinate has its own expert mesh, (PP, EDP, EP) x TP, and its experts' gradients are its
+# own (the same on every tp rank: not summed over tp).
 EP, EDP = "expert_parallel", "expert_data_parallel"
 CP = "context_parallel"
 # The parameters' mesh under context parallel: dp x cp flattened into one dimension, over which FSDP shards the stages
@@ -147,18 +151,26 @@ class ParallelDims:
 
     @property
     def expert_mesh_dim_names(self) -> tuple[str, ...]:
-        """The experts' mesh: (PP, EDP, EP); EDP x EP is the data-parallel group (x the context-parallel one)."""
-        return (PP, EDP, EP)
+        """The experts' mesh: (PP, EDP, EP), and TP innermost when tensor_parallel > 1; EDP x EP is the data-parallel
+        group (x the context-parallel one) at one tensor-parallel coordinate."""
+        return (PP, EDP, EP) + ((TP,) if self.tensor_parallel > 1 else ())
 
     @property
     def expert_mesh_shape(self) -> tuple[int, ...]:
         """Sizes along `expert_mesh_dim_names`: EDP is the experts' copies x the context-parallel ranks."""
-        return (self.pipeline_parallel, self.expert_data_parallel * self.context_parallel, self.expert_parallel)
+        tp = (self.tensor_parallel,) if self.tensor_parallel > 1 else ()
+        return (self.pipeline_parallel, self.expert_data_parallel * self.context_parallel, self.expert_parallel) + tp
 
-    def expert_mesh_ranks(self) -> list[list[list[int]]]:
-        """The global ranks of the experts' mesh, [pipeline][copy x cp + context][part] (`group(EDP | EP, rank)`)."""
-        cp, ep = self.context_parallel, self.expert_parallel
-        return [[[self.rank(p, copy * ep + part, 0, context) for part in range(ep)]
+    def expert_mesh_ranks(self) -> list:
+        """The global ranks of the experts' mesh, [pipeline][copy x cp + context][part] (`group(EDP | EP, rank)`), each
+        a list over the tensor-parallel ranks [tensor] when tensor_parallel > 1."""
+        cp, ep, tp = self.context_parallel, self.expert_parallel, self.tensor_parallel
+
+        def at(p: int, data: int, context: int):
+            ranks = [self.rank(p, data, t, context) for t in range(tp)]
+            return ranks if tp > 1 else ranks[0]
+
+        return [[[at(p, copy * ep + part, context) for part in range(ep)]
                  for copy in range(self.expert_data_parallel) for context in range(cp)]
                 for p in range(self.pipeline_parallel)]
 
@@ -209,7 +221,7 @@ class ParallelDims:
         if dim == EP:
             return [self.rank(pipeline, copy * self.expert_parallel + e, tensor, context)
                     for e in range(self.expert_parallel)]
-        if dim == EDP:  # every rank holding the same experts: their copies x the context-parallel ranks
+        if dim == EDP:  # every rank holding the same experts: their copies x the context-parallel ranks (one tp rank)
             return [self.rank(pipeline, c * self.expert_parallel + part, tensor, ctx)
                     for c in range(self.expert_data_parallel) for ctx in range(self.context_parallel)]
         raise ValueError(f"{dim!r} is not a mesh dimension ({PP}, {DP}, {CP}, {TP}, {EP}, {EDP})")
@@ -305,9 +317,11 @@ class ParallelDims:
                               "...: data-parallel ranks splitting each mixture-of-experts layer's experts).")
         if ep == 1:
             return
-        if self.tensor_parallel > 1:
-            raise LayoutError(f"{n.expert_parallel}={ep} with {n.tensor_parallel}={self.tensor_parallel}: expert "
-                              "parallel does not combine with tensor parallel yet; set one of them to 1.")
+        if self.tensor_parallel > 1 and self.context_parallel > 1:
+            raise LayoutError(f"{n.expert_parallel}={ep} with {n.tensor_parallel}={self.tensor_parallel} and "
+                              f"{n.context_parallel}={self.context_parallel}: expert parallel combines with tensor "
+                              "parallel or with context parallel, not with both at once yet; set "
+                              f"{n.context_parallel}=1 (or {n.tensor_parallel}=1).")
         if self.spec.name == "breadth_first_zb":  # torch's weight backward fails through the experts' all-to-all
             raise LayoutError(f"{n.expert_parallel}={ep} with {n.schedule}='breadth_first_zb': the zero-bubble split "
                               "backward (the inputs' gradients first, the weights' later) does not run through the "
@@ -348,9 +362,12 @@ class ParallelDims:
     def _check_expert_world(self, n: Names) -> None:
         ep, dp, pp = self.expert_parallel, self.data_parallel, self.spec.pipeline_parallel
         if ep > 1 and dp % ep:
+            others = "".join(f" / {name}={size}" for name, size in ((n.context_parallel, self.context_parallel),
+                                                                    (n.tensor_parallel, self.tensor_parallel))
+                             if size > 1)
             raise LayoutError(
                 f"{n.expert_parallel}={ep} must divide the data-parallel size {dp} ({n.world}={self.world} / "
-                f"{n.pipeline_parallel}={pp}): the experts are split over {ep} data-parallel ranks; use "
+                f"{n.pipeline_parallel}={pp}{others}): the experts are split over {ep} data-parallel ranks; use "
                 f"{n.expert_parallel} in {divisors(dp)}, or a {n.pipeline_parallel} leaving a multiple of {ep} "
                 "data-parallel ranks.")
 

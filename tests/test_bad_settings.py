@@ -241,9 +241,12 @@ CHECKS = [  # (overrides, what the error must say)
     (["model=gpt_moe_tiny", "schedule.expert_parallel=3"], "schedule.expert_parallel=3 must divide model.n_experts=4"),
     (["model=gpt_moe_tiny", "schedule.expert_parallel=4"],
      "schedule.expert_parallel=4 must divide the data-parallel size 2"),
-    (["model=gpt_moe_tiny", "schedule.tensor_parallel=2", "schedule.expert_parallel=2"],
-     "schedule.expert_parallel=2 with schedule.tensor_parallel=2: expert parallel does not combine with tensor "
-     "parallel yet"),
+    (["model=gpt_moe_tiny", "schedule.tensor_parallel=2", "schedule.expert_parallel=2"],  # pp=2 x tp=2: dp 1
+     "schedule.expert_parallel=2 must divide the data-parallel size 1"),
+    (["model=gpt_moe_tiny", "schedule.pipeline_parallel=1", "schedule.tensor_parallel=2",
+      "schedule.context_parallel=2", "schedule.expert_parallel=2"],
+     "schedule.expert_parallel=2 with schedule.tensor_parallel=2 and schedule.context_parallel=2: expert parallel "
+     "combines with tensor parallel or with context parallel, not with both at once yet"),
     (["model=gpt_moe_tiny", "schedule.sharding=none", "schedule.expert_parallel=2"],
      "schedule.expert_parallel=2 with schedule.sharding='none'"),
     (["model=gpt_moe_tiny", "schedule.expert_parallel=0"], "schedule.expert_parallel=0 must be a positive integer"),
@@ -265,6 +268,9 @@ ACCEPTED = [
     ["trainer.max_steps=-1", "+trainer.max_epochs=2"],  # epoch-bounded training
     ["checkpoint.on_signal=exit", "checkpoint.on_signal_grace_s=10", "ckpt_path=null", "checkpoint.async_save=true"],
     ["model=gpt_moe_tiny", "schedule.expert_parallel=2"],
+    ["model=gpt_moe_tiny", "schedule.pipeline_parallel=1", "schedule.tensor_parallel=2", "schedule.expert_parallel=2"],
+    ["model=gpt_moe_tiny", "schedule.pipeline_parallel=1", "schedule.tensor_parallel=2",
+     "schedule.sequence_parallel=true", "schedule.expert_parallel=2"],
     ["schedule.cross_step_overlap=true", "trace.enabled=true", "trace.count=1"],
     ["cluster=gpu_8", "schedule.cuda_graphs=true", "schedule.sharding=none"],
 ]

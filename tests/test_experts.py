@@ -4,10 +4,11 @@ and settings BFPPStrategy refuses before launch, and the example's MoE in one pr
 micro-batches from the step's totals, the whole batch's or each micro-batch's own; its grouped matmul). In one launch of
 4 processes (tests/run_tp.py, float64, against tests/one_process.train): the example's MoE under 1F1B, depth-first,
 zero bubble and breadth-first in 2 groups with router_loss="micro_batch" (ep=2 where dp is 2; pp=2 x cp=2 too),
-breadth-first with the whole batch's ("batch"), and expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
-and depth-first). Also trained against one process: tests/test_hf_exact.py (Mixtral,
-Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel
-sizes)."""
+breadth-first with the whole batch's ("batch"), expert x context parallel (pp=1 x dp=2 x cp=2, ep=2: breadth-first
+and depth-first), expert x tensor parallel (pp=1 x dp=2 x tp=2, ep=2: breadth-first with and without sequence
+parallel, depth-first with it) and pp=2 x tp=2 with sequence parallel (the experts whole). Also trained against one
+process: tests/test_hf_exact.py (Mixtral, Qwen3-MoE, DeepSeek-V3 at pp=2 x dp=2 x ep=2; Mixtral at pp=1 x dp=2 x tp=2 x
+ep=2) and tests/test_tensor_parallel.py (resumed across expert-parallel sizes, and from ep x tp x sp)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from lightning_bfpp.contract.router_loss import load_balancing_loss, step_aux_lo
 from lightning_bfpp.contract.step_totals import StepTotals, step_totals
 from lightning_bfpp.layout.experts import check_experts, experts_modules, is_experts
 from lightning_bfpp.schedule import ScheduleSpec
-from lightning_bfpp.schedule.dims import DP, EDP, EP, LayoutError, ParallelDims, default_pipeline_parallel
+from lightning_bfpp.schedule.dims import DP, EDP, EP, TP, LayoutError, ParallelDims, default_pipeline_parallel
 
 MOE = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, n_experts=4, top_k=2, router_aux_loss_coef=0.5)
 
@@ -67,12 +68,37 @@ def test_under_context_parallel_an_expert_group_is_one_context_coordinate_and_th
         assert edp == [row[ep.index(rank)] for row in pipeline]  # a column: its EDP dimension, in the mesh's order
 
 
+def test_under_tensor_parallel_each_tp_coordinate_has_its_own_expert_groups():
+    """ep x tp: the experts are whole on their rank (no tp split), and the tp ranks of a replica route the same tokens,
+    so an expert-parallel group and the experts' copies are ranks at one tensor-parallel coordinate; the experts' mesh
+    is (PP, EDP, EP, TP), every rank once, its TP rows the model's tensor-parallel groups."""
+    dims = _dims(16, 2, 2, tensor_parallel=2)  # dp 4 = 2 copies x 2 parts, x tp 2
+    assert dims.expert_mesh_dim_names == ("pipeline_parallel", EDP, EP, TP)
+    assert dims.expert_mesh_shape == (2, 2, 2, 2) and dims.data_parallel == 4
+    ranks = dims.expert_mesh_ranks()
+    assert sorted(r for p in ranks for row in p for part in row for r in part) == list(range(16))
+    for rank in range(16):
+        ep, edp = dims.group(EP, rank), dims.group(EDP, rank)
+        assert len({dims.coordinates(r).tensor for r in ep + edp}) == 1  # one tp coordinate
+        assert {r for c in edp for r in dims.group(EP, c)} == set(dims.group(DP, rank))
+        pipeline = ranks[dims.coordinates(rank).pipeline]
+        t = dims.coordinates(rank).tensor
+        assert ep in [[part[t] for part in row] for row in pipeline]  # the EP dimension of the mesh
+        assert edp == [row[dims.expert_coordinates(rank).expert][t] for row in pipeline]  # its EDP dimension
+        copy, part = dims.expert_coordinates(rank)
+        assert pipeline[copy][part] == dims.group(TP, rank)  # its TP dimension: the model's tp group
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world=4, pp=2, ep=4), r"expert_parallel=4 must divide the data-parallel size 2 .*use expert_parallel in "
                                 r"\[1, 2\]"),
     (dict(world=6, pp=2, ep=2), r"expert_parallel=2 must divide the data-parallel size 3"),
-    (dict(world=4, pp=1, ep=2, tensor_parallel=2), r"expert_parallel=2 with tensor_parallel=2: expert parallel does "
-                                                   r"not combine with tensor parallel yet"),
+    (dict(world=8, pp=1, ep=2, tensor_parallel=2, context_parallel=2),
+     r"expert_parallel=2 with tensor_parallel=2 and context_parallel=2: expert parallel combines with tensor parallel "
+     r"or with context parallel, not with both at once yet; set context_parallel=1"),
+    (dict(world=4, pp=1, ep=4, tensor_parallel=2),
+     r"expert_parallel=4 must divide the data-parallel size 2 \(devices x num_nodes=4 / pipeline_parallel=1 / "
+     r"tensor_parallel=2\)"),
     (dict(world=4, pp=1, ep=2, sharding="none"), r"expert_parallel=2 with sharding='none'.*use sharding=full"),
     (dict(world=4, pp=1, ep=2, schedule="breadth_first_zb"), r"expert_parallel=2 with schedule='breadth_first_zb': "
                                                              r"the zero-bubble split backward .*use schedule="
@@ -87,8 +113,10 @@ def test_bad_expert_parallel_settings_name_the_setting(kwargs, message):
 def test_strategy_refuses_bad_expert_parallel_before_launch():
     with pytest.raises(ValueError, match="expert_parallel=0 must be a positive integer"):
         BFPPStrategy(pipeline_parallel=2, expert_parallel=0)
-    with pytest.raises(ValueError, match="expert_parallel=2 with tensor_parallel=2"):
-        BFPPStrategy(pipeline_parallel=1, tensor_parallel=2, expert_parallel=2)
+    with pytest.raises(ValueError, match="expert_parallel=2 with tensor_parallel=2 and context_parallel=2"):
+        BFPPStrategy(pipeline_parallel=1, tensor_parallel=2, context_parallel=2, expert_parallel=2)
+    assert BFPPStrategy(pipeline_parallel=1, tensor_parallel=2, sequence_parallel=True, expert_parallel=2).dims \
+        .expert_parallel == 2  # ep x tp (x sp): accepted
     with pytest.raises(ValueError, match="layout='auto' searches expert_parallel=1 only"):
         BFPPStrategy(layout="auto", global_batch_size=8, expert_parallel=2)
     strategy = BFPPStrategy(pipeline_parallel=2, loops=2, expert_parallel=2)  # dp unknown yet: fine
@@ -231,6 +259,27 @@ def test_expert_parallel_costs_gather_a_part_of_the_experts_and_add_all_to_alls(
     assert state_bytes(p, "none", 4, whole) == 20 * whole
 
 
+def test_the_simulator_keeps_a_mixture_whole_under_tensor_parallel_and_the_planner_offers_ep_x_tp():
+    """The runtime's expert x tensor parallel: tp splits a MoE block's attention only; the router and experts are whole
+    on every tp rank (expert parallel splits the experts), so the simulator divides attention alone by tp, and the
+    planner's candidates include ep x tp (ep x tp x cp is refused: none)."""
+    from lightning_bfpp.sim import Cluster
+    from lightning_bfpp.sim.planner import candidates, simulate_candidate
+
+    model = _moe_model()
+    h = model.n_embd
+    assert model.layer_expert_params(2) == model.layer_expert_params(1)
+    assert model.layer_params(2)[1] == model.layer_params(1)[1] - (4 * h * h + 2 * h) // 2
+    mixture = model.layer_forward_flops(1)[1] - (2 * 4 * h * h + 4 * model.seq * h)
+    assert model.layer_forward_flops(2)[1] == (2 * 4 * h * h + 4 * model.seq * h) / 2 + mixture
+    cluster = Cluster(devices=4, num_nodes=1, flops=1e10, device_memory=8e9, intra_bw=2e9, inter_bw=2e9, latency=5e-5)
+    found = [c for c in candidates(model, cluster, 8, schedules=("breadth_first",), loops=(2,), shardings=("full",),
+                                   tensor_parallels=(2,), expert_parallels=(2,), context_parallels=(1, 2))]
+    assert found and {(c.pipeline_parallel, c.tensor_parallel, c.expert_parallel, c.context_parallel)
+                      for c in found} == {(1, 2, 2, 1)}
+    assert simulate_candidate(model, cluster, found[0]).step_time > 0
+
+
 def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_has_more_of_them():
     """One rank, 4 micro-batches, forward 1 s + 0.5 s of all-to-alls, backward 2 s + 0.5 s. Breadth-first (all
     forwards F0..F3, then the backwards B0..B3) hides every all-to-all behind the next micro-batch's compute but the
@@ -251,7 +300,8 @@ def test_overlap_hides_all_to_alls_behind_another_micro_batch_and_breadth_first_
 
 # ---- the example's MoE against one process, in float64 (one launch of 4 processes) ----
 F64 = {"moe": True, "precision": "64-true"}
-LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss each schedule gets by default unless given
+LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), pp=2 x cp=2, or pp=1 x dp=2 x cp|tp=2; the router loss each schedule gets
+    # by default unless given
     "1f1b-ep2": {"pp": 2, "m": 4, "schedule": "1f1b", "ep": 2, **F64},
     "depth_first-ep2": {"pp": 2, "loops": 2, "m": 2, "schedule": "depth_first", "ep": 2, **F64},
     "zero_bubble": {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "router_loss": "micro_batch", **F64},
@@ -261,6 +311,14 @@ LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), or pp=2 x cp=2; the router loss ea
     # expert x context parallel: pp=1 x dp=2 x cp=2, the experts split over the 2 replicas at each cp coordinate
     "ep2-cp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "cp": 2, **F64},
     "depth_first-ep2-cp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "cp": 2, "schedule": "depth_first", **F64},
+    # expert x tensor parallel: pp=1 x dp=2 x tp=2, attention split by tp, the experts by ep over the 2 replicas at
+    # each tp coordinate (whole on their rank); with sequence parallel the mixture runs on the gathered sequence
+    "ep2-tp2": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, **F64},
+    "ep2-tp2-sp": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, "sp": True, **F64},
+    "depth_first-ep2-tp2-sp": {"pp": 1, "loops": 2, "m": 2, "ep": 2, "tp": 2, "sp": True, "schedule": "depth_first",
+                               **F64},
+    # the mixture under tp alone (experts whole on every rank), its routing statistics crossing stages under sp
+    "pp2-tp2-sp": {"pp": 2, "loops": 2, "m": 2, "tp": 2, "sp": True, **F64},
 }
 
 
@@ -274,7 +332,7 @@ def runs(tmp_path_factory) -> Launches:
 @pytest.mark.parametrize("name", list(LAUNCH))
 def test_the_examples_moe_trains_as_one_process_under_every_schedule(runs, name):
     cfg = LAUNCH[name]
-    dp = 4 // (cfg["pp"] * cfg.get("cp", 1))
+    dp = 4 // (cfg["pp"] * cfg.get("cp", 1) * cfg.get("tp", 1))
     micro_batch = cfg.get("router_loss") == "micro_batch" or cfg.get("schedule") in ("1f1b", "depth_first") or \
         cfg.get("groups", 1) > 1
     # each global batch in dp x m micro-batches, each with its own router loss (1 part: the whole batch's)

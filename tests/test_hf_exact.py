@@ -77,8 +77,15 @@ TP_LAUNCHES = {  # name: (processes, configs); "dp2": pp=2 x loops=2 x tp=2 x dp
                 *({"family": f, "tp": 2, "kv_heads": 2, "sp": i % 2 == 0, **c}  # Qwen3 and Gemma 3 with sp
                   for i, (f, c) in enumerate(FAMILIES_49))]),
 }
+# expert x tensor parallel: Mixtral at pp=1 x loops=2 x dp=2 x tp=2, its experts split over the 2 replicas at each tp
+# coordinate (ep=2; whole on their rank), attention by its own plan; without and with sequence parallel; DeepSeek-V3
+# (latent attention, its shared expert split by tp) with it
+EXPERT_TP = [{"family": "mixtral", "pp": 1, "tp": 2, "kv_heads": 2, "ep": 2},
+             {"family": "mixtral", "pp": 1, "tp": 2, "kv_heads": 2, "ep": 2, "sp": True},
+             {"family": "deepseek_v3", "pp": 1, "tp": 2, "kv_heads": 2, "ep": 2, "sp": True}]
+TP_LAUNCHES["ep-tp"] = (4, EXPERT_TP)
 TP_RUNS = [(launch, i, c) for launch, (_, configs) in TP_LAUNCHES.items() for i, c in enumerate(configs)
-           if "precision" not in c and not c.get("packed")]
+           if "precision" not in c and not c.get("packed") and launch != "ep-tp"]
 # sharded bf16-mixed (FSDP computes each stage in bf16): rotary cos/sin are side inputs and must follow
 # (docs/precision.md: tolerance)
 BF16 = {"family": "llama", "precision": "bf16-mixed"}
@@ -206,6 +213,25 @@ def test_hf_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, name, inde
             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", *mlp)}
     want |= set() if model.config.tie_word_embeddings else {"model.embed_tokens.weight", "lm_head.weight"}
     assert {n for n in split if n.endswith("weight")} == want, sorted(split)
+
+
+@pytest.mark.parametrize("index", range(len(EXPERT_TP)), ids=["mixtral", "mixtral-sp", "deepseek_v3-sp"])
+def test_hf_expert_x_tensor_parallel_trains_exactly_as_in_one_process(tp_runs, index):
+    """Mixtral at pp=1 x dp=2 x tp=2 x ep=2 (sequence parallel on or off), with its router loss, and DeepSeek-V3:
+    parameters, train_loss and train_aux_loss as one process; attention split by tp, each rank holding half of every
+    layer's experts."""
+    cfg, dp = EXPERT_TP[index], 2
+    records = tp_runs("ep-tp")[index]
+    model, losses, aux_losses = reference(cfg["family"], dp, kv_heads=cfg["kv_heads"],
+                                          micro_batches=micro_batches(cfg, dp))
+    assert_exact(merged(records), dict(model.named_parameters(remove_duplicate=False)), "params")
+    assert_exact(records[-1]["losses"], losses, "train_loss")
+    assert all(r["aux_losses"] == records[0]["aux_losses"] for r in records)
+    assert bool(aux_losses) == (cfg["family"] == "mixtral")  # DeepSeek-V3: no router loss
+    assert_exact(records[0]["aux_losses"], aux_losses, "train_aux_loss")
+    experts = sum(p.numel() * ELEMENT_BYTES for n, p in model.named_parameters() if ".experts." in n)
+    assert [r["expert_bytes"] for r in records] == [experts // cfg["ep"]] * 4  # both layers on every rank (pp=1)
+    assert "model.layers.0.self_attn.q_proj.weight" in records[0]["tp_split"]
 
 
 @pytest.mark.slow

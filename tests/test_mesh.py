@@ -12,9 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from procenv import free_port
 
-from lightning_bfpp.layout.mesh import build_mesh, parameter_mesh
+from lightning_bfpp.layout.mesh import build_expert_mesh, build_mesh, parameter_mesh
 from lightning_bfpp.schedule import ScheduleSpec
-from lightning_bfpp.schedule.dims import CP, DP, DP_CP, PP, TP, ParallelDims
+from lightning_bfpp.schedule.dims import CP, DP, DP_CP, EDP, EP, PP, TP, ParallelDims
 
 WORLD = 4
 LAYOUTS = ((2, 1), (1, 2), (2, 2), (4, 1))  # (pipeline_parallel, tensor_parallel) built by every rank
@@ -51,6 +51,17 @@ def _worker(rank: int, port: int, out: dict) -> None:
             params = parameter_mesh(cp_dims, mesh)
             found[f"cp-{timeout is None}"] = [dist.get_process_group_ranks(g.get_group()) for g in (
                 mesh[CP], params[DP_CP], params[TP], mesh[TP])] + [params.mesh.tolist(), params.mesh_dim_names]
+        # a (pp, dp, cp) mesh and a (pp, dp, tp) one of the same shape (1, 2, 2): two meshes, each with its names; the
+        # experts' mesh of ep=2 x tp=2, (PP, EDP, EP, TP): an ep group is the replicas at one tp coordinate
+        only_cp = ParallelDims(world=WORLD, spec=ScheduleSpec(pipeline_parallel=1), context_parallel=2).validate()
+        ep_tp = ParallelDims(world=WORLD, spec=ScheduleSpec(pipeline_parallel=1), tensor_parallel=2,
+                             expert_parallel=2).validate()
+        found["same shape"] = [build_mesh(d, "cpu", timeout=timedelta(seconds=60)).mesh_dim_names
+                               for d in (only_cp, ep_tp)]
+        experts = build_expert_mesh(ep_tp, build_mesh(ep_tp, "cpu", timeout=timedelta(seconds=60)), "cpu",
+                                    timedelta(seconds=60))
+        found["ep x tp"] = [experts.mesh_dim_names, experts.mesh.tolist()] + [
+            dist.get_process_group_ranks(experts[n].get_group()) for n in (EDP, EP, TP)]
         again = build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))  # a later run's mesh: the same groups
         found["reused"] = again is build_mesh(_dims(2), "cpu", timeout=timedelta(seconds=60))
         threads = _threads()
@@ -89,6 +100,11 @@ def test_mesh_with_timeout_matches_init_device_mesh_and_times_out():
             assert cp_group == grads == [rank % 2, rank % 2 + 2] and tp_params == tp_mesh == [rank // 2 * 2,
                                                                                               rank // 2 * 2 + 1]
             assert grid == [[[0, 1], [2, 3]]] and names == (PP, DP_CP, TP)
+    for rank in range(WORLD):
+        assert out[rank]["same shape"] == [(PP, DP, CP), (PP, DP, TP)]
+        names, grid, edp, ep, tp = out[rank]["ep x tp"]
+        assert names == (PP, EDP, EP, TP) and grid == [[[[0, 1], [2, 3]]]]
+        assert edp == [rank] and ep == [rank % 2, rank % 2 + 2] and tp == [rank // 2 * 2, rank // 2 * 2 + 1]
     assert out[0]["timeout"] is not None and 1.5 < out[0]["timeout"] < 8, out[0]["timeout"]
     # building the same layout again (every Trainer run does) creates no new groups, so no new gloo threads
     assert all(out[r]["reused"] and out[r]["new_threads"] == 0 for r in range(WORLD)), dict(out)

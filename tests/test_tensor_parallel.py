@@ -3,7 +3,8 @@ pipeline_tp_plan trains like one process (SGD, 3 steps), resumes across tensor-p
 parallel on/off (AdamW), holds 1/(pp*dp*tp) of the bytes per rank, and sends the activation message the simulator
 counts. Two launches of tests/run_tp.py: 4 processes (several layouts one after another), 8 processes (pp2 x loops2 x
 dp2 x tp2). The launches also train the example's mixture of experts ("moe": exact at pp=2 x dp=2 x ep=2, resumed
-across expert-parallel sizes; pp=2 x dp=4 x ep=2 in the 8-process one)."""
+across expert-parallel sizes, and from expert x tensor x sequence parallel; pp=2 x dp=4 x ep=2 in the 8-process
+one)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ WORLD4 = {
     "moe-resume-ep1": {"pp": 2, "loops": 2, "m": 2, "moe": True, "opt": "adamw", "steps": 4,
                        "resume": "{out}/ep2/step=2.ckpt"},
     "moe-resume-pp4": {"pp": 4, "m": 4, "moe": True, "opt": "adamw", "steps": 4, "resume": "{out}/ep2/step=2.ckpt"},
+    # saved under expert x tensor x sequence parallel (pp=1 x dp=2 x tp=2, ep=2), resumed at pp=2 x dp=2, ep=1
+    "moe-save-ep2-tp2-sp": {"pp": 1, "loops": 2, "tp": 2, "sp": True, "m": 2, "moe": True, "ep": 2, "opt": "adamw",
+                            "steps": 4, "save_every": 2, "save_dir": "{out}/ep2-tp2"},
+    "moe-resume-ep1-tp1": {"pp": 2, "loops": 2, "m": 2, "moe": True, "opt": "adamw", "steps": 4,
+                           "resume": "{out}/ep2-tp2/step=2.ckpt"},
 }
 WORLD8 = {
     "pp2-loops2-dp2-tp2-bf": {"pp": 2, "tp": 2, "loops": 2, "m": 2},
@@ -159,7 +165,8 @@ def test_stage_messages_are_what_the_simulator_counts(runs, devices, name):
 
 @pytest.mark.parametrize("saved,resumed", [("save-tp2", "resume-tp1"), ("save-tp1", "resume-tp2"),
                                            ("save-sp", "resume-no-sp"), ("moe-save-ep2", "moe-resume-ep1"),
-                                           ("moe-save-ep2", "moe-resume-pp4")])
+                                           ("moe-save-ep2", "moe-resume-pp4"),
+                                           ("moe-save-ep2-tp2-sp", "moe-resume-ep1-tp1")])
 def test_adamw_resume_across_tensor_parallel_sizes(runs, saved, resumed):
     """Weights and AdamW state saved at step 2 at one tp size (and pp/dp) continue at another as if never
     interrupted: the resumed run, and the uninterrupted run it was saved from, equal one process's 4 steps. Likewise

@@ -81,7 +81,9 @@ def distribute_experts(stages: Iterable[nn.Module], expert_mesh: DeviceMesh) -> 
 
 def shard_experts(experts: Iterable[nn.Module], expert_mesh: DeviceMesh, gradient_replicas: int,
                   mp_policy=None) -> None:
-    """FSDP2 over the experts' copies (``expert_mesh[EDP]``: x the context-parallel ranks), each experts module its
+    """FSDP2 over the experts' copies (``expert_mesh[EDP]``: x the context-parallel ranks, at this rank's
+    tensor-parallel coordinate: the tp ranks compute the experts on the same tokens, so their gradients are the same
+    and are not summed over tp), each experts module its
     own unit, gathered once per stage pass like its stage (the runtime's UNSHARD and RESHARD actions reach every FSDP
     unit of a stage). Their gradients are divided by `gradient_replicas` (data parallel x context parallel), as every
     other weight's (FSDP would divide by the copies only; each rank's expert gradient already sums the tokens of its

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..dims import DP, DP_CP, ParallelDims
+from ..dims import DP, DP_CP, TP, ParallelDims
 
 # Process groups built under the current default group, by what they are: every Trainer run in a long-lived
 # process (a notebook, an in-process sweep, a benchmark running many fits) reuses them instead of creating new
@@ -52,7 +52,7 @@ def build_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None =
         grid = torch.arange(dims.world).reshape(shape)
         return DeviceMesh.from_group(_dim_groups(grid, timeout), device_type, mesh=grid, mesh_dim_names=names)
 
-    mesh = _once(("mesh", device_type, shape, timeout), make)
+    mesh = _once(("mesh", device_type, shape, names, timeout), make)  # by names too: (pp, dp, cp) or (pp, dp, tp)
     if dims.context_parallel > 1:
         _once(("parameter mesh", id(mesh)), lambda: _parameter_mesh(dims, mesh, timeout))
     return mesh
@@ -88,25 +88,29 @@ def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
 def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh, device_type: str,
                       timeout: timedelta | None = None) -> DeviceMesh:
     """The experts' DeviceMesh of the validated layout `dims` (``ParallelDims.expert_mesh_shape`` and
-    ``expert_mesh_dim_names``: PP, EDP, EP), over the same ranks as the model's `mesh`, whose pipeline groups it
-    reuses (new groups for the experts' copies and parts only). An expert's weights live on it: split over EP,
-    FSDP-sharded over EDP (one mesh: FSDP requires both of a weight's meshes to share a root)."""
-    shape, names = dims.expert_mesh_shape, dims.expert_mesh_dim_names
+    ``expert_mesh_dim_names``: PP, EDP, EP, and TP under tensor parallel), over the same ranks as the model's `mesh`,
+    whose pipeline and tensor-parallel groups it reuses (new groups for the experts' copies and parts only). An expert's
+    weights live on it: split over EP, FSDP-sharded over EDP (one mesh: FSDP requires both of a weight's meshes to
+    share a root)."""
+    names, ranks = dims.expert_mesh_dim_names, dims.expert_mesh_ranks()  # its shape: ``expert_mesh_shape``
 
     def make() -> DeviceMesh:
-        grid = torch.tensor(dims.expert_mesh_ranks())  # (under context parallel not the ranks in order)
-        groups = [mesh.get_group(0), *_dim_groups(grid, timeout, first=1)]
+        grid = torch.tensor(ranks)  # (under context parallel not the ranks in order)
+        tp = [mesh[TP].get_group()] if TP in names else []
+        groups = [mesh.get_group(0), *_dim_groups(grid, timeout, first=1, stop=3), *tp]
         return DeviceMesh.from_group(groups, device_type, mesh=grid, mesh_dim_names=names)
 
-    return _once(("expert mesh", device_type, shape, timeout), make)
+    # by its ranks and names: the same shape lays out other ranks under context parallel, or has TP for its last dim
+    return _once(("expert mesh", device_type, id(mesh), names, repr(ranks), timeout), make)
 
 
-def _dim_groups(ranks: torch.Tensor, timeout: timedelta | None, first: int = 0) -> list[dist.ProcessGroup]:
-    """For each dimension of the rank grid `ranks` from `first` on, this rank's process group along it, created with
-    `timeout` (public `new_subgroups_by_enumeration`: every rank creates every group of a dimension, in the same
-    order)."""
+def _dim_groups(ranks: torch.Tensor, timeout: timedelta | None, first: int = 0,
+                stop: int | None = None) -> list[dist.ProcessGroup]:
+    """For each dimension of the rank grid `ranks` from `first` on (up to `stop`, not included), this rank's process
+    group along it, created with `timeout` (public `new_subgroups_by_enumeration`: every rank creates every group of a
+    dimension, in the same order)."""
     groups = []
-    for dim in range(first, ranks.ndim):
+    for dim in range(first, ranks.ndim if stop is None else stop):
         members = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
         mine, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
         groups.append(mine)

@@ -138,16 +138,24 @@ class Model:
     def num_layers(self) -> int:
         return self.n_layer + 2
 
+    def _mlp_split(self, tensor_parallel: int) -> int:
+        """What tensor parallel divides a block's MLP by: tp for a dense MLP; 1 for a mixture of experts, whose
+        router and experts every tp rank computes whole (examples/gpt.py's plan, as the runtime's expert x tensor
+        parallel: expert parallel splits the experts)."""
+        return 1 if self.n_experts else tensor_parallel
+
     def layer_params(self, tensor_parallel: int = 1) -> list[int]:
         """Parameters per layer (per tp rank: split matrices and their column biases / tp; row biases, norms and
-        position embeddings whole, as examples/gpt.py's tp plan; the untied embedding and head split by vocab)."""
+        position embeddings whole, as examples/gpt.py's tp plan; the untied embedding and head split by vocab; a
+        mixture's router and experts whole, `_mlp_split`)."""
         h, t = self.n_embd, tensor_parallel
-        block = (4 * h * h + 2 * h + self._mlp_params()[0]) // t + 6 * h  # qkv + proj + MLP, 2 layer norms
+        # qkv + proj + MLP, 2 layer norms
+        block = (4 * h * h + 2 * h) // t + self._mlp_params()[0] // self._mlp_split(t) + 6 * h
         return [self.vocab * h // t + self.seq * h] + [block] * self.n_layer + [self.vocab * h // t + 2 * h]
 
     def layer_expert_params(self, tensor_parallel: int = 1) -> list[int]:
         """Of `layer_params`, the experts' per layer (what expert parallel splits)."""
-        block_experts = self._mlp_params()[1] // tensor_parallel
+        block_experts = self._mlp_params()[1] // self._mlp_split(tensor_parallel)
         return [0] + [block_experts] * self.n_layer + [0]
 
     def layer_a2a_bytes(self, context_parallel: int = 1) -> list[float]:
@@ -160,7 +168,7 @@ class Model:
         """Forward FLOPs per token per layer (per tp rank): 2 x params for matmuls, plus 4*seq*h for attention
         scores and values (non-causal count, as Megatron's formula); the embedding lookup is free."""
         h, s, t = self.n_embd, self.seq, tensor_parallel
-        block = (2 * (4 * h * h + self._mlp_active()) + 4 * s * h) / t
+        block = (2 * 4 * h * h + 4 * s * h) / t + 2 * self._mlp_active() / self._mlp_split(t)
         return [0.0] + [float(block)] * self.n_layer + [2.0 * self.vocab * h / t]
 
     def _block_activation(self, b: int, t: int, sp: bool, cp: int = 1) -> float:
@@ -170,11 +178,12 @@ class Model:
         whole sequence (2 x 2sbh/t, of which the formula counts this rank's s/cp)."""
         h, s, a = self.n_embd, self.seq, self.n_head
         mlp = self._mlp_active() / (8.0 * h * h)  # a mixture's MLP part (19 of the 34) by the weights a token meets
+        m = t / self._mlp_split(t)  # a mixture computed whole on every tp rank: its part is not / tp
         q = s / cp  # this rank's tokens
         gathered = 4 * (s - q) * b * h / t  # the other ranks' keys and values (bf16), saved for backward
         if sp:
-            return q * b * h * ((15 + 19 * mlp) / t + 5 * a * s / (h * t)) + gathered
-        return q * b * h * (10 + (5 + 19 * mlp) / t + 5 * a * s / (h * t)) + gathered
+            return q * b * h * ((15 + 19 * mlp * m) / t + 5 * a * s / (h * t)) + gathered
+        return q * b * h * (10 + (5 + 19 * mlp * m) / t + 5 * a * s / (h * t)) + gathered
 
     def layer_activation_bytes(self, micro_batch_size: int, tensor_parallel: int = 1,
                                sequence_parallel: bool = False, context_parallel: int = 1) -> list[float]:
@@ -206,12 +215,15 @@ class Model:
         all-reduces its activation twice in forward (after attention and MLP) and twice in backward (their
         inputs' gradients); with sequence parallel each becomes an all-gather + reduce-scatter, the same volume.
         The vocab-split embedding all-reduces its output; the head all-gathers its logits (forward) and
-        all-reduces its input's gradient (backward)."""
+        all-reduces its input's gradient (backward). A mixture of experts, computed whole, has no collective of its
+        own (attention's alone: one each way; with sequence parallel the all-gather of the sequence before it and of
+        its output's gradient in backward, half an all-reduce's volume each, are not counted)."""
         if tensor_parallel == 1:
             return [(0, 0.0, 0, 0.0)] * self.num_layers
         act = float(ACT_BYTES * self.seq / context_parallel * self.n_embd)
         logits = float(ACT_BYTES * self.seq / context_parallel * self.vocab)
-        return [(1, act, 0, 0.0)] + [(2, 2 * act, 2, 2 * act)] * self.n_layer + [(1, logits / 2, 1, act)]
+        block = (2, 2 * act, 2, 2 * act) if not self.n_experts else (1, act, 1, act)
+        return [(1, act, 0, 0.0)] + [block] * self.n_layer + [(1, logits / 2, 1, act)]
 
     def layer_cp_comm(self, tensor_parallel: int = 1, context_parallel: int = 1) -> list[tuple[int, float, int, float]]:
         """Context-parallel collectives per sample and tp rank: a block all-gathers its attention's keys and values

@@ -158,7 +158,8 @@ def _layout(p) -> str:
     extra += " cross-step" if c.cross_step_overlap else ""
     extra += " per-layer units" if c.shard_unit == "layer" else ""
     cp = f" cp{c.context_parallel}" if c.context_parallel > 1 else ""
-    return (f"{c.schedule[:5]} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''}{cp} pp{c.pipeline_parallel} "
+    name = "bf-zb" if c.schedule == "breadth_first_zb" else c.schedule[:5]
+    return (f"{name} tp{c.tensor_parallel}{'s' if c.sequence_parallel else ''}{cp} pp{c.pipeline_parallel} "
             f"l{c.loops} m{c.micro_batches}×{c.micro_batch_size}{extra}")
 
 
@@ -168,7 +169,16 @@ def _ratio(a, b) -> str:
     return f"{a.tokens_per_second_per_device / b.tokens_per_second_per_device:.2f}"
 
 
-def tables(results: dict, betas, peak: float, flops_per_token: float) -> str:
+def _tflops(p, flops_per_token: float, bound: float) -> str:
+    if p in (None, "n/a"):
+        return "—"
+    achieved = p.tokens_per_second_per_device * flops_per_token
+    return f"{achieved / 1e12:.1f} ({achieved / bound:.1%})"
+
+
+def tables(results: dict, betas, peak: float, flops_per_token: float, bound: float) -> str:
+    """Tokens/s per GPU of each mode's best layout, BF's ratios, model TFLOP/s (and the share of `bound`, the
+    compute-bound FLOP/s per GPU), the chosen layouts."""
     rows = ["| batch/GPU | " + " | ".join(MODES) + " | BF/DF | BF/1F1B | BF/Megatron | BF MFU |",
             "|---" * (len(MODES) + 5) + "|"]
     for beta in betas:
@@ -177,6 +187,12 @@ def tables(results: dict, betas, peak: float, flops_per_token: float) -> str:
         mfu = "—" if bf in (None, "n/a") else f"{bf.tokens_per_second_per_device * flops_per_token / peak:.1%}"
         rows.append(f"| {beta:g} | " + " | ".join(_fmt(r[m]) for m in MODES) + f" | {_ratio(bf, r['depth_first'])} | "
                     f"{_ratio(bf, r['1f1b'])} | {_ratio(bf, r['megatron_like'])} | {mfu} |")
+    rows += ["", f"Model TFLOP/s per GPU ({flops_per_token / 1e9:.4g} GFLOP per token; % of the compute-bound limit, "
+             "peak × achieved compute):", "", "| batch/GPU | " + " | ".join(MODES) + " |",
+             "|---" * (len(MODES) + 1) + "|"]
+    for beta in betas:
+        rows.append(f"| {beta:g} | " + " | ".join(_tflops(results[(beta, m)], flops_per_token, bound) for m in MODES)
+                    + " |")
     rows += ["", "Chosen layouts (pp, loops, micro-batches × size, groups, reshard after forward):", "",
              "| batch/GPU | " + " | ".join(MODES) + " |", "|---" * (len(MODES) + 1) + "|"]
     for beta in betas:
@@ -362,9 +378,9 @@ def main() -> None:
     figure([(results64, f"{args.model}, {small.world_size} GPUs"),
             (results, f"{args.model}, {cluster.world_size} GPUs")],
            betas, out / "paper_reproduction_throughput.png", fpt, cluster.flops)
-    add(f"{small.world_size} GPUs (no activation checkpointing)", tables(results64, betas, peak, fpt))
+    add(f"{small.world_size} GPUs (no activation checkpointing)", tables(results64, betas, peak, fpt, cluster.flops))
     add(f"{cluster.world_size} GPUs (model as in conf/model, no activation checkpointing)",
-        tables(results, betas, peak, fpt))
+        tables(results, betas, peak, fpt, cluster.flops))
 
     if args.full:
         ckpt = replace(model, checkpointing=True)
@@ -372,7 +388,7 @@ def main() -> None:
         figure([(results_ckpt, f"{args.model} + activation checkpointing, {cluster.world_size} GPUs")], betas,
                out / "paper_reproduction_throughput_ckpt.png", fpt, cluster.flops)
         add("With activation checkpointing (backward = 3 x forward)",
-            tables(results_ckpt, betas, peak, model.flops_per_token()))
+            tables(results_ckpt, betas, peak, model.flops_per_token(), cluster.flops))
         add("Sensitivity to achieved compute (no checkpointing, 25 GB/s)",
             sensitivity_flops(model, cluster, peak, (0.3, 0.5, 0.7), (0.5, 1, 4)))
     if not args.quick:

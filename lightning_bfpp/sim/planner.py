@@ -73,13 +73,14 @@ class Candidate:
                             reshard_after_forward=self.reshard_after_forward)
 
     def dims(self, devices_per_node: int | None = None) -> ParallelDims:
-        """The layout as the runtime checks it (the cost-model-only sharding "optimizer" checked as replicated
-        weights, which it keeps)."""
+        """The layout as the runtime checks it. The cost-model-only sharding "optimizer" (the Megatron-like
+        baselines' distributed optimizer, whose expert parallel partitions the experts) is checked as sharded: the
+        runtime's rule against expert parallel with replicated weights is about bfpp's FSDP, not the baseline's."""
         return ParallelDims(world=self.pipeline_parallel * self.data_parallel * self.context_parallel
                             * self.tensor_parallel, spec=self.spec(), tensor_parallel=self.tensor_parallel,
                             context_parallel=self.context_parallel, devices_per_node=devices_per_node,
                             sequence_parallel=self.sequence_parallel, expert_parallel=self.expert_parallel,
-                            sharding="none" if self.sharding == "optimizer" else self.sharding)
+                            sharding="full" if self.sharding == "optimizer" else self.sharding)
 
     def overrides(self, *, cluster: str | None = None, model: str | None = None,
                   batch_size: int | None = None) -> list[str]:

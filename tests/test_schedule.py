@@ -230,6 +230,29 @@ def test_breadth_first_zb_splits_each_backward_and_fills_half_the_bubble():
     assert peak(zb) == peak(bf)
 
 
+def test_breadth_first_zb_groups_divide_its_activation_memory():
+    """Under zero bubble a W pass holds its micro-batch's activations, so a group's W passes end on each rank before
+    that rank's first forward of the next group (else groups would divide nothing: W passes wait for idle time, which
+    a long breadth-first pass hardly has); the activation peak (unit costs) then falls with the number of groups."""
+    from lightning_bfpp.sim import evaluate, unit_costs
+
+    for pp, loops, m, groups in itertools.product((1, 2, 4), (1, 2, 3), (4, 8), (2, 4)):
+        spec = ScheduleSpec("breadth_first_zb", pipeline_parallel=pp, loops=loops, micro_batches=m, groups=groups)
+        per_group = m // groups
+        for actions in build_schedule(spec).actions.values():
+            group = [a.micro_batch // per_group if a.micro_batch is not None else None for a in actions]
+            for g in range(1, groups):
+                first_forward = next(i for i, a in enumerate(actions) if a.op == Op.FORWARD and group[i] == g)
+                last_weight = max(i for i, a in enumerate(actions) if a.op == Op.BACKWARD_WEIGHT and group[i] == g - 1)
+                assert last_weight < first_forward, (spec, g)
+    peak = {}
+    for groups in (1, 2, 4):
+        spec = ScheduleSpec("breadth_first_zb", pipeline_parallel=4, loops=2, micro_batches=8, groups=groups)
+        r = evaluate(build_schedule(spec), unit_costs(spec.num_stages, 4))
+        peak[groups] = max(x.category_peak["activations"] for x in r.memory)
+    assert peak[4] < peak[2] < peak[1], peak
+
+
 def test_breadth_first_zb_loses_nothing_to_the_first_stages_unsplit_backward():
     """torch's first stage has no input-gradient pass to split off (its input needs no gradient): its I does nothing
     and its W the whole backward. The order still idles only for the pipeline's fill, 3·L·m + pp − 1 unit ticks, at

@@ -78,14 +78,17 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
     previous stage waits for, and its weight-gradient pass W, which nothing waits for. Each rank keeps breadth-first's
     order of forwards and I passes, with one freedom: on its last local stage of a group (whose backward follows its
     forwards at once, so its weights stay gathered either way) an I runs as soon as its input is there, between the
-    remaining forwards. A W waits until the rank would otherwise idle (oldest first); the rest follow the rank's last
-    I. The order is found by playing all ranks with unit times (F = I = W = 1) and instant messages, except on the
-    first stage: its input needs no gradient, so torch's I there does nothing and its W the whole backward (I = 0,
-    W = 2; ``sim.cost`` times it so too)."""
+    remaining forwards. A W waits until the rank would otherwise idle (oldest first), or until the rank would start the
+    next accumulation group (a group's W passes end before the next group's first forward: they hold its activations,
+    so groups divide the activation memory as they do in breadth-first); the rest follow the rank's last I. The order
+    is found by playing all ranks with unit times (F = I = W = 1) and instant messages, except on the first stage: its
+    input needs no gradient, so torch's I there does nothing and its W the whole backward (I = 0, W = 2; ``sim.cost``
+    times it so too)."""
     pp, last = spec.pipeline_parallel, spec.num_stages - 1
     todo = {r: [Action(a.stage, Op.BACKWARD_INPUT if a.op == Op.BACKWARD else a.op, a.micro_batch)
                 for a in _breadth_first(spec, r)] for r in range(pp)}
     last_local = {r: spec.local_stages(r)[-1] for r in range(pp)}
+    first_local, per_group = {r: spec.local_stages(r)[0] for r in range(pp)}, spec.micro_batches // spec.groups
     # each rank's list is read through two cursors (linear time at any number of micro-batches): `head`, its first
     # action not taken, and `first_i`, its last local stage's first I not taken (taken in order, so it only advances)
     taken = {r: [False] * len(todo[r]) for r in range(pp)}
@@ -117,6 +120,9 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
                 return i
         return head[r] if ready(h, tick) else None
 
+    def starts_a_group(a: Action, r: int) -> bool:
+        return a.op == Op.FORWARD and a.stage == first_local[r] and a.micro_batch % per_group == 0 and a.micro_batch > 0
+
     def take(r: int, i: int) -> Action:
         taken[r][i] = True
         while head[r] < len(todo[r]) and taken[r][head[r]]:
@@ -131,6 +137,8 @@ def _breadth_first_zb(spec: ScheduleSpec) -> dict[int, list[Action]]:
         for r in range(pp):
             while tick >= free_at[r]:  # a first-stage I takes no time: the rank goes on in the same tick
                 i = pick(r, tick) if head[r] < len(todo[r]) else None
+                if i is not None and deferred[r] and starts_a_group(todo[r][i], r):
+                    i = None  # the last group's weight passes first
                 if i is not None:
                     a = take(r, i)
                     if a.op == Op.BACKWARD_INPUT:

@@ -272,8 +272,7 @@ class GPT(PipelineHooks, L.LightningModule):
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        from lightning_bfpp.layout.tp_styles import whole_block
-        from lightning_bfpp.modeling import replicated_output, sequence_parallel_norm
+        from lightning_bfpp.modeling import replicated_output, sequence_parallel_norm, whole_block
 
         plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel()}
         if not sequence_parallel:

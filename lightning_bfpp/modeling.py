@@ -14,8 +14,9 @@ A LightningModule becomes pipelinable through ``PipelineHooks``; its layers may 
 - **counted losses**: ``mean_loss`` turns a ``(loss_sum, num_items)`` pair into its mean;
 - **a tensor-parallel plan** (``pipeline_tp_plan``) beside torch's ``ColwiseParallel`` / ``RowwiseParallel``:
   ``sequence_parallel_norm`` (a norm on the rank's sequence shard), ``sequence_gather`` / ``sequence_scatter``
-  (whole sequence from / to shards at a module's input or output) and ``replicated_output`` (a module's output made
-  whole on every tensor-parallel rank).
+  (whole sequence from / to shards at a module's input or output), ``replicated_output`` (a module's output made
+  whole on every tensor-parallel rank) and ``whole_block`` (a block the plan keeps whole, e.g. a mixture of experts
+  under expert x tensor parallel, computed on the gathered sequence).
 
 The example GPT (``examples/gpt.py``) uses each of them. Their definitions live in ``lightning_bfpp.contract``; the
 names here are the stable ones.
@@ -29,8 +30,9 @@ from .contract.hooks import PipelineHooks, mean_loss
 from .contract.router_loss import load_balancing_loss, router_loss, router_stats, step_aux_loss
 from .contract.step_totals import active_step_totals
 from .layout.tensor_parallel import replicated_output, sequence_gather, sequence_parallel_norm, sequence_scatter
+from .layout.tp_styles import whole_block
 
 __all__ = ["PipelineHooks", "active_step_totals", "attention", "document_causal_mask", "document_positions",
            "load_balancing_loss", "mean_loss", "replicated_output", "router_loss", "router_stats",
            "sequence_gather", "sequence_parallel_norm", "sequence_scatter", "split_documents", "step_aux_loss",
-           "token_positions"]
+           "token_positions", "whole_block"]

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..schedule import BREADTH_FIRST, Action, Op, Schedule
 from .cluster import Cluster
-from .cost import Costs, state_bytes
+from .cost import Costs, rank_state_bytes, state_bytes
 from .model import Model
 
 Candidate = Any  # a ``planner.Candidate`` (not imported: the planner imports this module)
@@ -68,10 +68,7 @@ def order_memory_bound(order: dict[int, list[Action]], costs: Costs) -> float:
                 level -= st.activation
             elif a.op is Op.BACKWARD_WEIGHT:
                 level -= st.activation + st.weight_pass_bytes
-        local = [costs.stages[s] for s in range(rank, len(costs.stages), len(order))]
-        state = state_bytes(sum(st.params for st in local), costs.sharding, costs.data_parallel,
-                            sum(st.gathered_params for st in local))
-        worst = max(worst, state + most)
+        worst = max(worst, rank_state_bytes(list(range(rank, len(costs.stages), len(order))), costs) + most)
     return worst
 
 

@@ -38,6 +38,13 @@ def state_bytes(params: float, sharding: str, data_parallel: int, whole: float |
     return (STATE_BYTES + WEIGHT_BYTES + GRAD_BYTES) * whole
 
 
+def rank_state_bytes(stages: list[int], costs: Costs) -> float:
+    """Bytes a pipeline rank holds for the whole step: the parameter/optimizer state of its `stages` (what the
+    simulator counts as static, and the planner's compute-order memory bound starts from)."""
+    return state_bytes(sum(costs.stages[s].params for s in stages), costs.sharding, costs.data_parallel,
+                       sum(costs.stages[s].gathered_params for s in stages))
+
+
 @lru_cache(maxsize=256)
 def _stage_counts(params: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
     return tuple(balanced_stage_layers(params, num_stages))  # the runtime's own split: one source of truth

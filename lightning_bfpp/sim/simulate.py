@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..schedule import Op, Schedule, ScheduleError
-from .cost import Costs, state_bytes
+from .cost import Costs, rank_state_bytes
 from .memory import MemoryReport, memory_report
 
 
@@ -335,7 +335,7 @@ class _Play:
         ends = [max(r.host + self.costs.step_overhead, r.ag_free, r.rs_free, link_end.get(r.rank, 0.0))
                 for r in self.ranks]
         spec = self.schedule.spec
-        memory = [memory_report(r.mem, _static_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
+        memory = [memory_report(r.mem, rank_state_bytes(spec.local_stages(r.rank), self.costs)) for r in self.ranks]
         step = max(ends)
         # Cross-step overlap: the first rank's first forward waits for its gathered weights (its input is the batch);
         # issued right after the optimizer step, that gather starts once every rank's last compute is done (the
@@ -356,12 +356,6 @@ def _on_arrival(st, start: float, dur: float, gather_start: float, gather_end: f
         arrived += gather * scale
         t = max(t, arrived) + share * dur
     return t
-
-
-def _static_bytes(stages: list[int], costs: Costs) -> float:
-    """Bytes held for the whole step: the parameter/optimizer state of the rank's stages."""
-    return state_bytes(sum(costs.stages[s].params for s in stages), costs.sharding, costs.data_parallel,
-                       sum(costs.stages[s].gathered_params for s in stages))
 
 
 def _share_nic(r: _Rank, t: float, delay: float) -> None:

@@ -338,8 +338,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, CheckpointHooks, ModelPara
                                       compiled=self.compile, cuda_graphs=self.cuda_graphs, say=rank_zero_info,
                                       router_loss=self.plan.router_loss_for())
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    @override
+    # ---- data loaders (the checkpoint hooks: checkpoint.strategy_hooks) -------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Check the loader against the layout (before the first step); on a mid-epoch resume start the training loader

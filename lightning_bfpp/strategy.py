@@ -57,53 +57,67 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, CheckpointHooks, ModelPara
     checked before any process starts; docs/settings.md describes each in full.
 
     Args:
-        layout: "auto" (or ``AutoLayout(...)``): the planner picks pipeline_parallel, loops, micro_batches, groups,
-            schedule, sharding, reshard_after_forward and the stage cut from this model's layers measured on this
-            device, for this world and ``global_batch_size``; any of those set here is pinned. None: as given.
-        global_batch_size: samples per optimizer step over all replicas (required by layout="auto"); the training
-            loader must then yield ``replica_batch_size`` (global_batch_size / data_parallel) samples.
-        pipeline_parallel: pipeline ranks (pp). Default: world_size / tensor_parallel (fewer when the model has
-            fewer layers), printed at start. Data parallel = world_size / (pp x tensor_parallel).
-        tensor_parallel: processes splitting every layer (tp, innermost, within one node) by the model's
-            ``pipeline_tp_plan`` (``lightning_bfpp.layout.tensor_parallel``).
-        sequence_parallel: with tensor_parallel > 1, activations between split modules and across stages are each
-            tp rank's 1/tp of the sequence; the sequence length must divide by tp. Default: off.
+        layout: `"auto"` (or `AutoLayout(...)`): the planner picks `pipeline_parallel`, `loops`, `micro_batches`,
+            `groups`, `schedule`, `sharding`, `reshard_after_forward` and the stage cut from this model's layers
+            measured on this device, for this world and `global_batch_size`; any of those given is pinned. `None`: as
+            given.
+        global_batch_size: samples per optimizer step over all replicas (required by `layout="auto"`); the training
+            loader must then yield `replica_batch_size` (global / data parallel) samples.
+        pipeline_parallel: pipeline ranks `pp`; data parallel `dp = world_size / (pp·cp·tp)` (must divide). Default: the
+            world size / tp (fewer when the model has fewer layers), printed at start.
+        tensor_parallel: processes `tp` splitting every layer by the model's `pipeline_tp_plan`, innermost in the mesh,
+            within one node.
+        sequence_parallel: with tp > 1: activations between the split modules and across stages are each tp rank's 1/tp
+            of the sequence; the sequence length must divide by tp. Default: off.
         expert_parallel: data-parallel ranks splitting each mixture-of-experts layer's experts (tokens dispatched by
-            all-to-all; ``lightning_bfpp.layout.experts``); must divide data parallel. Default 1.
-        context_parallel: ranks sharing every sequence (cp; mesh pp x dp x cp x tp): each holds 1/cp of it and
-            attention gathers the rest (docs/context_parallel.md); the sequence length must divide by 2 x cp.
-        loops: stages per pipeline rank (default 1); stage s lives on pipeline rank s % pp.
-        micro_batches: micro-batches per step, split from each replica's batch (default: pp).
-        schedule: "breadth_first" (default), "depth_first", "gpipe", "1f1b" or "breadth_first_zb".
-        groups: breadth_first only: sequential accumulation groups of micro-batches (default 1).
-        sharding: "full" (FSDP2 over data parallel; default) or "none" (replicated, gradients all-reduced).
-        reshard_after_forward: free each stage's gathered weights between its forward and backward (default False).
-        shard_unit: "stage" (default: each stage one FSDP unit, one all-gather per stage pass) or "layer" (each layer
-            its own unit, gathered in order: a stage's first layer computes while the next ones' weights arrive).
-        stage_layers: layers per stage; "auto": balanced by each layer's time measured at setup; None (default):
-            balanced by parameter count.
-        activation_checkpointing: recompute every layer of every local stage in backward.
-        compile: ``torch.compile`` each pipeline layer of the local stages (names kept); recompiles are counted.
-        nonfinite_loss: a NaN/inf training loss "stop"s the run before the optimizer step, or "skip"s that batch.
-        max_consecutive_skips: with "skip", more non-finite batches than this in a row stop the run (default 5).
-        process_group_backend: as in ModelParallelStrategy.
-        timeout: bound on every distributed wait (a timedelta or seconds; default 30 min); the start-up rendezvous
-            waits at least ``job.guard.STARTUP_TIMEOUT``. A rank that dies or fails ends the job long before.
-        measure_every_n_steps: when ``step_stats`` (bubble, times, bytes) are measured: None (default) on
-            Lightning's logging steps and the last step; N every N-th step; 0 never.
+            all-to-all); must divide data parallel and the experts.
+        context_parallel: processes `cp` sharing every sequence: each holds 1/cp of it (chunks i and 2cp−1−i) through
+            every layer and stage, and attention gathers the rest; the sequence length must divide by 2·cp.
+        loops: stages per pipeline rank: `pp·loops` stages, stage `s` on rank `s % pp` (looped placement).
+        micro_batches: micro-batches per optimizer step `m`, split from each data-parallel replica's batch (its size
+            must be a multiple). Default: `pp`.
+        schedule: `"breadth_first"`, `"depth_first"`, `"gpipe"`, `"1f1b"` or `"breadth_first_zb"`.
+        groups: breadth_first (and breadth_first_zb) only: run the `m` micro-batches as `groups` sequential accumulation
+            groups, which divides activation memory.
+        sharding: `"full"`: FSDP2 (ZeRO-3) of every stage over its data-parallel group; `"none"`: replicated weights,
+            gradients all-reduced.
+        stage_layers: layers per stage, e.g. `[3, 2, 2, 3]`; `"auto"`: balanced by each layer's time measured at setup;
+            `None`: balanced by parameter count.
+        router_loss: a mixture of experts' load-balancing loss in a step: `"batch"` (the whole step's; gpipe,
+            breadth_first with groups=1) or `"micro_batch"` (each micro-batch's own; any schedule). Default: `"batch"`
+            where the schedule allows it, else `"micro_batch"`, printed at start.
+        reshard_after_forward: free each stage's gathered weights between its forward and backward (gathered again
+            before backward).
+        shard_unit: the FSDP unit: `"stage"` (each stage one unit: one all-gather and one reduce-scatter per stage pass)
+            or `"layer"` (each layer its own unit, gathered in order: a stage's first layer computes while the next
+            ones' weights arrive).
+        activation_checkpointing: recompute every layer of every local stage in backward instead of saving its
+            activations.
+        compile: `torch.compile` each pipeline layer of the local stages, in place, after tensor parallel and before
+            FSDP (names kept); recompiles after step 2 are warned about.
+        cross_step_overlap: right after each optimizer step the next step's first all-gathers start (FSDP-sharded
+            stages; their weights stay gathered across the step boundary).
+        cuda_graphs: on a GPU: each local stage's training forward and backward captured as CUDA graphs, one pair per
+            micro-batch, and replayed after.
+        nonfinite_loss: a NaN/inf training loss: `"stop"` (every rank raises before the optimizer step) or `"skip"`
+            (that batch's gradients are dropped).
+        max_consecutive_skips: with `"skip"`: more non-finite batches than this in a row stop the run.
+        process_group_backend: as in `ModelParallelStrategy`: `gloo` on CPU, `nccl` on GPU by default.
+        timeout: bound on every distributed wait (collectives, p2p, the store, in every process group bfpp creates): a
+            `timedelta` or seconds. A rank that dies or fails ends the job long before.
+        on_signal: SIGTERM, SIGINT and SLURM's requeue signal while training: `"save"`: every rank saves one checkpoint
+            at the next step boundary they agree on, then the process exits 128 + N; `"exit"`: every process exits at
+            once.
+        signal_grace_s: the bound on that save: 25 s under torchrun and after SLURM's SIGTERM (their launchers kill 30 s
+            after the signal), else 60 s.
+        signal_checkpoint: where that checkpoint goes: Lightning's HPC checkpoint under SLURM or without a
+            ModelCheckpoint, else `last.ckpt` in the ModelCheckpoint's folder.
+        async_save: while fitting, a save copies the state to CPU memory and returns; the files are written in the
+            background.
         trust_checkpoints: load checkpoint files with unrestricted unpickling (can run code from the file; also
-            BFPP_TRUST_CHECKPOINTS=1). Off by default: only plain data and tensors load.
-        on_signal: SIGTERM, SIGINT and SLURM's requeue signal while training: "save" (default) one checkpoint at
-            the next step boundary every rank agrees on, then exit 128 + N; "exit" at once.
-        signal_grace_s: the bound on that save (default 25 s under torchrun and SLURM, else 60 s).
-        signal_checkpoint: where that checkpoint goes (default: Lightning's HPC checkpoint under SLURM or without a
-            ModelCheckpoint, else ``last.ckpt`` in the ModelCheckpoint's folder).
-        async_save: while fitting, a save copies the state to CPU memory and writes the files in the background.
-        cross_step_overlap: start the next step's first all-gathers right after each optimizer step (docs/settings.md).
-        cuda_graphs: capture each local stage's training forward and backward as CUDA graphs, one per micro-batch.
-        router_loss: a mixture of experts' load-balancing loss in a step (``contract.router_loss``): "batch" (the whole
-            step's; gpipe, breadth_first with groups=1) or "micro_batch" (each micro-batch's own; any schedule).
-            Default: "batch" where the schedule allows it, else "micro_batch", printed at start.
+            `BFPP_TRUST_CHECKPOINTS=1`). Off: only plain data and tensors load.
+        measure_every_n_steps: when `step_stats` (bubble, times, bytes) are measured: `None` on Lightning's logging
+            steps (`Trainer(log_every_n_steps=...)`) and the last step; `N` every N-th step; `0` never.
 
     Checkpoints are sharded folders (torch.distributed.checkpoint) keyed by the model's own parameter names; they load
     into any other layout; ``storage.names`` spells the settings storage errors name. See ``lightning_bfpp.checkpoint``.

@@ -40,7 +40,8 @@ PURE = {"schedule": (), "dims": (), "sim": ("matplotlib", "yaml")}
 # part -> third-party packages it must not import
 FORBIDDEN = {"runtime": ("lightning",)}
 # the modules at the package's top (the face and the strategy); anything else belongs in a part's folder
-TOP = {"__init__.py", "strategy.py", "modeling.py"}  # modeling.py: the model contract's public names
+# modeling.py: the model contract's public names; settings.py: the strategy's settings described (nothing imports it)
+TOP = {"__init__.py", "strategy.py", "modeling.py", "settings.py"}
 # parts that are one module at the package's top, not a folder (dims.py: the parallel layout, as torchtitan's
 # distributed/parallel_dims.py)
 MODULE_PARTS = {"dims"}

@@ -1,22 +1,25 @@
-"""BFPPStrategy's settings are described in three places that must name the same settings: its docstring (Args,
-which ``help()`` and docs/api.md show), the table of docs/settings.md, and, for the app's schedule group, the keys of
-conf/schedule/base.yaml (each with its comment). A setting added, renamed or removed in one place fails here until
-the others follow. Their defaults agree too: the signature's, or for a layout setting left at None the one
+"""BFPPStrategy's settings are described once, in ``lightning_bfpp.settings``; three texts are made from it: its
+docstring (Args, which ``help()`` and docs/api.md show), the table of docs/settings.md, and, for the app's schedule
+group, the comments of conf/schedule/base.yaml. Each must be what the table makes (``python -m lightning_bfpp.settings
+--write`` rewrites them) and name the signature's settings: one added, renamed or removed in one place fails here
+until the others follow. Their defaults agree too: the signature's, or for a layout setting left at None the one
 ``UNGIVEN_DEFAULTS`` gives it, is what the docs' table says and what base.yaml sets (except the app's own defaults,
 each saying so in its comment). No processes."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from lightning_bfpp import BFPPStrategy
+from lightning_bfpp import BFPPStrategy, settings
 from lightning_bfpp.layout.plan import UNGIVEN_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +65,30 @@ def documented_args(doc: str) -> set[str]:
 def test_every_setting_is_keyword_only():
     kinds = {p.kind for p in inspect.signature(BFPPStrategy).parameters.values()}
     assert kinds == {inspect.Parameter.KEYWORD_ONLY}, kinds
+
+
+def test_the_settings_table_holds_each_setting_of_the_signature_once_in_its_order():
+    assert [s.name for s in settings.SETTINGS] == list(PARAMETERS)
+
+
+@pytest.mark.parametrize("relative", ["lightning_bfpp/strategy.py", "docs/settings.md", "conf/schedule/base.yaml"])
+def test_each_description_is_what_the_settings_table_makes(relative):
+    """The docstring's Args, the docs' table and base.yaml's comments are the table's texts, word for word."""
+    path = ROOT / relative
+    made = settings.rendered(ROOT)[path]
+    assert path.read_text() == made, (f"{relative} is not what lightning_bfpp/settings.py makes: describe a setting "
+                                      "there, then run `python -m lightning_bfpp.settings --write`")
+
+
+def test_a_summary_changed_in_the_table_alone_fails_each_of_the_three(monkeypatch):
+    """The check above can fail: a summary changed in lightning_bfpp/settings.py without --write differs in all three
+    texts (the docstring, the docs' table, base.yaml's comment of `loops`)."""
+    changed = tuple(dataclasses.replace(s, summary="stages on each pipeline rank.") if s.name == "loops" else s
+                    for s in settings.SETTINGS)
+    monkeypatch.setattr(settings, "SETTINGS", changed)
+    monkeypatch.setattr(settings, "BY_NAME", {s.name: s for s in changed})
+    stale = [p.relative_to(ROOT).as_posix() for p, text in settings.rendered(ROOT).items() if p.read_text() != text]
+    assert sorted(stale) == ["conf/schedule/base.yaml", "docs/settings.md", "lightning_bfpp/strategy.py"], stale
 
 
 def test_the_docstring_describes_every_setting_once():

@@ -32,9 +32,9 @@ class CheckpointHooks:
         fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         save_trainer_checkpoint(
             Path(self.broadcast(filepath)), checkpoint, self.model, [unwrap_optimizer(o) for o in self.optimizers],
-            self.plan.checkpoint_meta(self.stage_layer_names), self.param_order,
-            self.tied.aliases() if self.tied is not None else {}, self._saves if self.async_save and fitting else None,
-            self.storage)
+            layout=self.plan.checkpoint_meta(self.stage_layer_names), param_order=self.param_order,
+            aliases=self.tied.aliases() if self.tied is not None else {},
+            background=self._saves if self.async_save and fitting else None, storage=self.storage)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))

@@ -115,8 +115,7 @@ class Costs:
         stages = [replace(s, unshard=0.0, reduce=0.0, inter_node=False, a2a_forward=0.0, a2a_backward=0.0,
                           unit_gather=())
                   for s in self.stages]
-        return Costs(stages, {}, self.sharding, self.data_parallel, self.tokens_per_step, self.device_memory,
-                     self.flops_per_token, self.step_overhead, self.tensor_parallel)
+        return replace(self, stages=stages, p2p={}, p2p_inter=frozenset())
 
 
 def ring_time(nbytes: float, group: int, bandwidth: float, latency: float) -> float:
@@ -195,14 +194,17 @@ def build_costs(
             first = dims.rank(s % pp, 0)
             groups[s % pp] = _Groups.of(cluster, dims.gradient_group(first), dims.group(EP, first),
                                         dims.group(EDP, first))
-        stages.append(_stage_cost(layers, cluster, span, groups[s % pp], micro_batch_size, sharding, comm,
-                                  _weight_pass_bytes(layers, span, micro_batch_size, message),
+        stages.append(_stage_cost(layers, cluster, span, groups[s % pp], micro_batch_size=micro_batch_size,
+                                  sharding=sharding, comm=comm,
+                                  weight_pass_bytes=_weight_pass_bytes(layers, span, micro_batch_size, message),
                                   first_stage=s == 0, per_layer=shard_unit == "layer"))
         start += n
     tokens = micro_batch_size * layers.seq * cp  # whole sequences
     p2p, inter_links = _p2p_links(cluster, dims, message)
-    return Costs(stages, p2p, sharding, dims.gradient_replicas, tokens * micro_batches, cluster.device_memory,
-                 layers.flops_per_token, cluster.step_overhead, tp * cp, inter_links)
+    return Costs(stages, p2p, sharding=sharding, data_parallel=dims.gradient_replicas,
+                 tokens_per_step=tokens * micro_batches, device_memory=cluster.device_memory,
+                 flops_per_token=layers.flops_per_token, step_overhead=cluster.step_overhead,
+                 tensor_parallel=tp * cp, p2p_inter=inter_links)
 
 
 def message_bytes(layers: Layers, micro_batch_size: int, tensor_parallel: int = 1, sequence_parallel: bool = False,

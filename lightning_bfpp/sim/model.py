@@ -258,9 +258,10 @@ class Model:
         times = self.layer_times(cluster, 1, t, cp) if cluster is not None else None
         full = replace(self, checkpointing=False)  # un-checkpointed activations
         return Layers(tuple(self.layer_params(t)), tuple(self.layer_forward_flops(t)),
-                      tuple(self.layer_activation_bytes(1, t, sp, cp)), self.seq // cp, self.n_embd,
-                      self.checkpointing, tuple(times) if times else None, t, tuple(self.layer_tp_comm(t, cp)),
-                      tuple(full.layer_activation_bytes(1, t, sp, cp)),
+                      tuple(self.layer_activation_bytes(1, t, sp, cp)), seq=self.seq // cp, width=self.n_embd,
+                      recompute=self.checkpointing, times=tuple(times) if times else None, tensor_parallel=t,
+                      tp_comm=tuple(self.layer_tp_comm(t, cp)),
+                      workspace=tuple(full.layer_activation_bytes(1, t, sp, cp)),
                       weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp, cp)), context_parallel=cp,
                       cp_comm=tuple(self.layer_cp_comm(t, cp)),
                       expert_params=tuple(self.layer_expert_params(t)) if self.n_experts else None,

@@ -175,8 +175,10 @@ def candidates(
                                                         for e in expert_parallels):
                         if ep > 1 and (not model.n_experts or model.n_experts % ep):
                             continue  # expert parallel needs experts it divides
-                        c = Candidate(name, pp, dp, lp, m, mbs, groups, sharding, raf, tp, sp, residency, cache,
-                                      expert_parallel=ep, context_parallel=cp)
+                        c = Candidate(name, pipeline_parallel=pp, data_parallel=dp, loops=lp, micro_batches=m,
+                                      micro_batch_size=mbs, groups=groups, sharding=sharding,
+                                      reshard_after_forward=raf, tensor_parallel=tp, sequence_parallel=sp,
+                                      residency=residency, cache=cache, expert_parallel=ep, context_parallel=cp)
                         try:
                             c.dims(cluster.devices).validate(num_layers=model.num_layers, global_batch=batch_size,
                                                              sequence=model.seq)

@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         print(docs_table(effective_defaults()))
         return
     root = Path(__file__).resolve().parents[1]
+    if not (root / "docs" / "settings.md").is_file():
+        parser.error(f"--write rewrites a checkout's files, and {root} has no docs/settings.md: run it in a clone of "
+                     "the repository (pip install -e .)")
     for path, text in rendered(root).items():
         if path.read_text() != text:
             path.write_text(text)

@@ -332,6 +332,31 @@ def test_a_block_issues_the_collectives_the_simulator_counts(sequence_parallel):
     assert forward == backward == BLOCK_COLLECTIVES[sequence_parallel]
 
 
+# an all-gather or a reduce-scatter is half an all-reduce's volume and latency steps: the simulator's unit
+ALL_REDUCES = {"all_reduce": 1.0, "all_gather_into_tensor": 0.5, "reduce_scatter_tensor": 0.5}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("n_experts", [0, 4], ids=["dense", "moe"])
+def test_the_simulator_counts_the_collectives_each_block_issues(n_experts, sequence_parallel):
+    """The example GPT's dense and mixture-of-experts blocks under its tensor-parallel plan issue, in all-reduces of
+    the activation, what sim.Model.layer_tp_comm counts for a block (a mixture under sequence parallel gathers its
+    whole sequence, and its output's gradient: half an all-reduce more each way than attention's alone)."""
+    from gpt import GPTConfig
+
+    from lightning_bfpp.sim import Model
+
+    model = GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=8, vocab_size=32, n_experts=n_experts))
+    plan = model.pipeline_tp_plan("blocks.0", model.blocks[0], 2, sequence_parallel=sequence_parallel)
+    x = torch.randn(2, 4 if sequence_parallel else 8, 32)
+    forward, backward = collectives(model.blocks[0], plan, x)
+    issued = [sum(ALL_REDUCES[name] * n for name, n in counts.items()) for counts in (forward, backward)]
+    sim = Model(n_layer=1, n_head=4, n_embd=32, seq=8, vocab=32, n_experts=n_experts)
+    counted = sim.layer_tp_comm(2, sequence_parallel=sequence_parallel)[1]  # the block (after the embedding)
+    act = counted[1] / counted[0]  # bytes per all-reduce: the block's activation
+    assert issued == [counted[0], counted[2]] and counted[3] / counted[2] == act, (forward, backward, counted)
+
+
 def packed_reference(data_parallel: int) -> tuple[GPT, list[float]]:
     """The example GPT in one process, SGD on Lightning's order of packed rows, every document run alone (its own
     forward from position 0): each step trains the mean over the global batch's counted targets."""

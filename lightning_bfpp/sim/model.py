@@ -44,7 +44,7 @@ class Layers:
     per layer per sample, or None (FLOPs / the cluster's achieved FLOP/s).
     tensor_parallel: the tp group these numbers are per rank of (params, FLOPs, activations already / tp).
     tp_comm: per layer, the tensor-parallel collectives of one sample (forward count, forward bytes, backward
-    count, backward bytes), bytes as all-reduce volume (an all-gather or a reduce-scatter counts half).
+    count, backward bytes), in all-reduces of the activation: an all-gather or a reduce-scatter counts half.
     workspace: per layer, transient bytes per sample while its backward runs (recomputed activations or
     activation gradients), on top of what `activation_bytes` keeps. wire: element sizes of the weights, gradients
     and messages the step moves (the run's precision). weight_grad_bytes: per layer, bytes per sample that a split
@@ -64,7 +64,7 @@ class Layers:
     recompute: bool = False
     times: tuple[tuple[float, float], ...] | None = None
     tensor_parallel: int = 1
-    tp_comm: tuple[tuple[int, float, int, float], ...] | None = None
+    tp_comm: tuple[tuple[float, float, float, float], ...] | None = None
     workspace: tuple[float, ...] | None = None
     wire: WireBytes = WireBytes()
     weight_grad_bytes: tuple[float, ...] | None = None
@@ -210,19 +210,23 @@ class Model:
         block = unit * (7 * h / t + 2 * h + 2 * norm)
         return [0.0] + [float(block)] * self.n_layer + [float(unit * (norm + self.vocab / t))]
 
-    def layer_tp_comm(self, tensor_parallel: int, context_parallel: int = 1) -> list[tuple[int, float, int, float]]:
-        """Tensor-parallel collectives per sample (Megatron-style splits, as examples/gpt.py's plan): a block
-        all-reduces its activation twice in forward (after attention and MLP) and twice in backward (their
-        inputs' gradients); with sequence parallel each becomes an all-gather + reduce-scatter, the same volume.
-        The vocab-split embedding all-reduces its output; the head all-gathers its logits (forward) and
+    def layer_tp_comm(self, tensor_parallel: int, context_parallel: int = 1,
+                      sequence_parallel: bool = False) -> list[tuple[float, float, float, float]]:
+        """Tensor-parallel collectives per sample, counted as all-reduces of the activation (an all-gather or a
+        reduce-scatter is half of one: half its volume, half its latency steps), as examples/gpt.py's plan issues
+        them: a block all-reduces its activation twice in forward (after attention and MLP) and twice in backward
+        (their inputs' gradients); with sequence parallel each becomes an all-gather + reduce-scatter, the same
+        volume. The vocab-split embedding all-reduces its output; the head all-gathers its logits (forward) and
         all-reduces its input's gradient (backward). A mixture of experts, computed whole, has no collective of its
-        own (attention's alone: one each way; with sequence parallel the all-gather of the sequence before it and of
-        its output's gradient in backward, half an all-reduce's volume each, are not counted)."""
+        own (attention's alone: one each way), but under sequence parallel its input sequence is all-gathered
+        before it and its output's gradient in backward (half an all-reduce more each way).
+        ``tests/test_tensor_parallel.py`` counts what the plan's blocks issue against this."""
         if tensor_parallel == 1:
             return [(0, 0.0, 0, 0.0)] * self.num_layers
         act = float(ACT_BYTES * self.seq / context_parallel * self.n_embd)
         logits = float(ACT_BYTES * self.seq / context_parallel * self.vocab)
-        block = (2, 2 * act, 2, 2 * act) if not self.n_experts else (1, act, 1, act)
+        mixture = 1.5 if sequence_parallel else 1.0  # attention's, and the whole mixture's gather under sp
+        block = (2, 2 * act, 2, 2 * act) if not self.n_experts else (mixture, mixture * act, mixture, mixture * act)
         return [(1, act, 0, 0.0)] + [block] * self.n_layer + [(1, logits / 2, 1, act)]
 
     def layer_cp_comm(self, tensor_parallel: int = 1, context_parallel: int = 1) -> list[tuple[int, float, int, float]]:
@@ -260,7 +264,7 @@ class Model:
         return Layers(tuple(self.layer_params(t)), tuple(self.layer_forward_flops(t)),
                       tuple(self.layer_activation_bytes(1, t, sp, cp)), seq=self.seq // cp, width=self.n_embd,
                       recompute=self.checkpointing, times=tuple(times) if times else None, tensor_parallel=t,
-                      tp_comm=tuple(self.layer_tp_comm(t, cp)),
+                      tp_comm=tuple(self.layer_tp_comm(t, cp, sp)),
                       workspace=tuple(full.layer_activation_bytes(1, t, sp, cp)),
                       weight_grad_bytes=tuple(self.layer_weight_grad_bytes(1, t, sp, cp)), context_parallel=cp,
                       cp_comm=tuple(self.layer_cp_comm(t, cp)),

@@ -1,8 +1,9 @@
 """BFPPStrategy's settings, each described once: its group, a summary and the manual's details.
 
 Three texts are made from this table and held equal to it by ``tests/test_settings_docs.py``: the ``Args:`` section
-of ``BFPPStrategy``'s docstring (the summaries: ``help()`` and docs/api.md), the settings table of docs/settings.md
-(summary, then details) and the comments of conf/schedule/base.yaml (the summaries of the keys the app sets).
+of ``BFPPStrategy``'s docstring (the summaries: ``help()`` and docs/api.md), the settings tables of docs/settings.md
+(one per group; summary, then details) and the comments of conf/schedule/base.yaml (the summaries of the keys the app
+sets).
 ``python -m lightning_bfpp.settings`` prints the table; ``--write`` rewrites the three from it. The names and
 defaults themselves are the signature's (``BFPPStrategy.__init__``); the test holds this table to it. A module of
 the package's top: nothing in the package imports it; it imports the strategy for the defaults.
@@ -17,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GROUPS = ("layout", "performance", "job", "measurement")
+GROUP_TITLES = {"layout": "The layout: how the model and the batch are split over the processes",
+                "performance": "Performance: what each step keeps, recomputes, compiles and overlaps",
+                "job": "The job: failures, waits, signals and checkpoints", "measurement": "Measurement"}
 
 
 @dataclass(frozen=True)
@@ -165,10 +169,13 @@ SETTINGS: tuple[Setting, ...] = (
        "See [Measurements](measurements.md)."),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
-assert len(BY_NAME) == len(SETTINGS) and {s.group for s in SETTINGS} <= set(GROUPS)
+assert len(BY_NAME) == len(SETTINGS) and {s.group for s in SETTINGS} == set(GROUPS) == set(GROUP_TITLES)
 
 DOCSTRING_ARGS = re.compile(r"(?ms)^    Args:\n.*?(?=\n\n)")  # the Args section of BFPPStrategy's docstring
-TABLE = re.compile(r"(?ms)^\| argument \| default \| meaning \|\n\|---\|---\|---\|\n.*?(?=\n\n)")
+TABLES_START = ("<!-- the settings' tables: made by `python -m lightning_bfpp.settings --write` from "
+                "lightning_bfpp/settings.py -->")
+TABLES_END = "<!-- end of the settings' tables -->"
+TABLES = re.compile(rf"(?s){re.escape(TABLES_START)}\n.*?{re.escape(TABLES_END)}")  # in docs/settings.md
 YAML_KEY = re.compile(r"^(\w+):(.*?)(?:#.*)?$")  # a top-level key, its value, its comment
 YAML_COMMENT_COLUMN, WIDTH = 29, 120
 
@@ -190,12 +197,20 @@ def default_cell(name: str, default: object) -> str:
         "'", '"')
 
 
-def docs_table(defaults: dict[str, object]) -> str:
-    """docs/settings.md's table: argument, default (`defaults`: each setting's when not given), summary + details."""
-    rows = ["| argument | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{s.name}` | {default_cell(s.name, defaults[s.name])} | {' '.join((s.summary, s.details)).strip()} |"
-             for s in SETTINGS]
-    return "\n".join(rows)
+def docs_tables(defaults: dict[str, object]) -> str:
+    """docs/settings.md's tables, one per group under its title: argument, default (`defaults`: each setting's when
+    not given), summary + details; between the markers that --write finds them by."""
+    parts = [TABLES_START]
+    for group in GROUPS:
+        parts += [f"**{GROUP_TITLES[group]}**", "", "| argument | default | meaning |", "|---|---|---|"]
+        parts += [f"| `{s.name}` | {default_cell(s.name, defaults[s.name])} | {_meaning(s)} |"
+                  for s in SETTINGS if s.group == group]
+        parts.append("")
+    return "\n".join([*parts, TABLES_END])
+
+
+def _meaning(setting: Setting) -> str:
+    return f"{setting.summary} {setting.details}".strip()
 
 
 def yaml_comments(text: str, defaults: dict[str, object]) -> str:
@@ -247,7 +262,7 @@ def rendered(root: Path) -> dict[Path, str]:
     strategy, docs = root / "lightning_bfpp" / "strategy.py", root / "docs" / "settings.md"
     yaml, defaults = root / "conf" / "schedule" / "base.yaml", effective_defaults()
     return {strategy: DOCSTRING_ARGS.sub(lambda _: docstring_args(), strategy.read_text(), count=1),
-            docs: TABLE.sub(lambda _: docs_table(defaults), docs.read_text(), count=1),
+            docs: TABLES.sub(lambda _: docs_tables(defaults), docs.read_text(), count=1),
             yaml: yaml_comments(yaml.read_text(), defaults)}
 
 
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="rewrite the strategy's docstring, docs/settings.md's table and conf/schedule/base.yaml's "
                              "comments from the table (in a checkout)")
     if not parser.parse_args(argv).write:
-        print(docs_table(effective_defaults()))
+        print(docs_tables(effective_defaults()))
         return
     root = Path(__file__).resolve().parents[1]
     if not (root / "docs" / "settings.md").is_file():

@@ -37,9 +37,9 @@ def effective_default(name: str) -> Any:
 
 
 def table_rows() -> dict[str, str]:
-    """docs/settings.md's settings table: argument -> its default cell."""
-    table = (ROOT / "docs" / "settings.md").read_text().split("| argument | default | meaning |", 1)[1]
-    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", table.split("\n\n", 1)[0], flags=re.MULTILINE)
+    """docs/settings.md's settings tables (one per group, between the markers): argument -> its default cell."""
+    tables = settings.TABLES.search((ROOT / "docs" / "settings.md").read_text()).group(0)
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", tables, flags=re.MULTILINE)
     assert len(rows) == len({name for name, _ in rows}), "a setting has two rows"
     return {name: cell.strip() for name, cell in rows}
 
@@ -89,6 +89,14 @@ def test_a_summary_changed_in_the_table_alone_fails_each_of_the_three(monkeypatc
     monkeypatch.setattr(settings, "BY_NAME", {s.name: s for s in changed})
     stale = [p.relative_to(ROOT).as_posix() for p, text in settings.rendered(ROOT).items() if p.read_text() != text]
     assert sorted(stale) == ["conf/schedule/base.yaml", "docs/settings.md", "lightning_bfpp/strategy.py"], stale
+
+
+def test_the_docs_group_the_settings_as_the_signature_does():
+    """docs/settings.md has one table per group, in the signature's order, each under its title."""
+    tables = settings.TABLES.search((ROOT / "docs" / "settings.md").read_text()).group(0)
+    titles = re.findall(r"^\*\*(.+)\*\*$", tables, flags=re.MULTILINE)
+    assert titles == [settings.GROUP_TITLES[g] for g in settings.GROUPS]
+    assert list(table_rows()) == list(PARAMETERS)
 
 
 def test_the_docstring_describes_every_setting_once():

@@ -51,7 +51,8 @@ SETTINGS: tuple[Setting, ...] = (
        training loader must then yield `replica_batch_size` (global / data parallel) samples.""",
        "Checked before the first step."),
     _s(L, "pipeline_parallel", """pipeline ranks `pp`; data parallel `dp = world_size / (pp·cp·tp)` (must divide).
-       Default: the world size / tp (fewer when the model has fewer layers), printed at start.""",
+       Default: every process but the tensor-, context- and expert-parallel ones is a pipeline rank
+       (world / (tp·cp·ep); fewer when the model has fewer layers), printed at start.""",
        default="world size"),
     _s(L, "tensor_parallel", """processes `tp` splitting every layer by the model's `pipeline_tp_plan`, innermost in
        the mesh, within one node.""",

@@ -63,8 +63,9 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, CheckpointHooks, ModelPara
             given.
         global_batch_size: samples per optimizer step over all replicas (required by `layout="auto"`); the training
             loader must then yield `replica_batch_size` (global / data parallel) samples.
-        pipeline_parallel: pipeline ranks `pp`; data parallel `dp = world_size / (pp·cp·tp)` (must divide). Default: the
-            world size / tp (fewer when the model has fewer layers), printed at start.
+        pipeline_parallel: pipeline ranks `pp`; data parallel `dp = world_size / (pp·cp·tp)` (must divide). Default:
+            every process but the tensor-, context- and expert-parallel ones is a pipeline rank (world / (tp·cp·ep);
+            fewer when the model has fewer layers), printed at start.
         tensor_parallel: processes `tp` splitting every layer by the model's `pipeline_tp_plan`, innermost in the mesh,
             within one node.
         sequence_parallel: with tp > 1: activations between the split modules and across stages are each tp rank's 1/tp

@@ -2,11 +2,11 @@
 
 Three texts are made from this table and held equal to it by ``tests/test_settings_docs.py``: the ``Args:`` section
 of ``BFPPStrategy``'s docstring (the summaries: ``help()`` and docs/api.md), the settings tables of docs/settings.md
-(one per group; summary, then details) and the comments of conf/schedule/base.yaml (the summaries of the keys the app
-sets).
-``python -m lightning_bfpp.settings`` prints the table; ``--write`` rewrites the three from it. The names and
-defaults themselves are the signature's (``BFPPStrategy.__init__``); the test holds this table to it. A module of
-the package's top: nothing in the package imports it; it imports the strategy for the defaults.
+(one per group; summary, then details) and the comments of conf/schedule/base.yaml (the summaries of the keys the
+app sets). ``python -m lightning_bfpp.settings`` lists the settings (``--markdown``: the docs' tables); ``--write``
+rewrites the three from it. The names and defaults themselves are the signature's (``BFPPStrategy.__init__``); the
+test holds this table to it. A module of the package's top: nothing in the package imports it; it imports the
+strategy for the defaults.
 """
 
 from __future__ import annotations
@@ -267,13 +267,26 @@ def rendered(root: Path) -> dict[Path, str]:
             yaml: yaml_comments(yaml.read_text(), defaults)}
 
 
+def listing(defaults: dict[str, object], width: int = 100) -> str:
+    """The settings for a terminal: per group, each `name = default` and its summary, wrapped."""
+    lines: list[str] = []
+    for group in GROUPS:
+        lines += ["", GROUP_TITLES[group]]
+        for s in (s for s in SETTINGS if s.group == group):
+            lines.append(f"  {s.name} = {default_cell(s.name, defaults[s.name]).replace('`', '')}")
+            lines += textwrap.wrap(s.summary.replace("`", ""), width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_bfpp.settings", description=__doc__.split("\n")[0])
+    parser.add_argument("--markdown", action="store_true", help="print docs/settings.md's tables instead")
     parser.add_argument("--write", action="store_true",
-                        help="rewrite the strategy's docstring, docs/settings.md's table and conf/schedule/base.yaml's "
-                             "comments from the table (in a checkout)")
-    if not parser.parse_args(argv).write:
-        print(docs_tables(effective_defaults()))
+                        help="rewrite the strategy's docstring, docs/settings.md's tables and "
+                             "conf/schedule/base.yaml's comments from the table (in a checkout)")
+    args = parser.parse_args(argv)
+    if not args.write:
+        print(docs_tables(effective_defaults()) if args.markdown else listing(effective_defaults()))
         return
     root = Path(__file__).resolve().parents[1]
     if not (root / "docs" / "settings.md").is_file():

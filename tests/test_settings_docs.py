@@ -91,6 +91,16 @@ def test_a_summary_changed_in_the_table_alone_fails_each_of_the_three(monkeypatc
     assert sorted(stale) == ["conf/schedule/base.yaml", "docs/settings.md", "lightning_bfpp/strategy.py"], stale
 
 
+def test_the_listing_names_every_setting_with_its_default_under_its_group(capsys):
+    settings.main([])
+    out = capsys.readouterr().out
+    named = re.findall(r"^  (\w+) = (.+)$", out, flags=re.MULTILINE)
+    assert [name for name, _ in named] == list(PARAMETERS)
+    assert ("loops", "1") in named and ("timeout", "30 min") in named and ("schedule", '"breadth_first"') in named
+    titles = [line for line in out.splitlines() if line and not line.startswith(" ")]
+    assert titles == list(settings.GROUP_TITLES.values())
+
+
 def test_the_docs_group_the_settings_as_the_signature_does():
     """docs/settings.md has one table per group, in the signature's order, each under its title."""
     tables = settings.TABLES.search((ROOT / "docs" / "settings.md").read_text()).group(0)

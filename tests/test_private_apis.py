@@ -505,3 +505,43 @@ def test_a_trainers_hooks_logs_and_losses_are_unchanged_by_the_bookkeeping_bridg
         assert with_bridges[0] == without[0] and with_bridges[1] == without[1] and with_bridges[3] == without[3]
         assert all(torch.equal(a, b) for a, b in zip(with_bridges[2], without[2]))
         assert ("cb.on_train_batch_end", "on_train_batch_end") in without[0] and "from_callback_epoch" in without[1]
+
+
+def test_stage_tensor_descriptions_are_made_when_formatted():
+    """torch's stage module describes a forward's outputs (``map_debug_info``) for a debug line on every forward: bfpp
+    makes the description only when it is formatted; the log line and an error message read the same text."""
+    import logging
+
+    import torch
+    from torch.distributed.pipelining import _debug
+    from torch.distributed.pipelining import stage as torch_stage
+
+    import lightning_bfpp._private.pipelining  # noqa: F401  (installs the lazy description)
+
+    t = torch.randn(2, 3, requires_grad=True)
+    values = [t, (t, t.detach()), {"x": t, "n": 3}, [t.double(), None], 1.5, "text"]
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(self.format(record))
+
+    keep = Keep()
+    torch_stage.logger.addHandler(keep)
+    level = torch_stage.logger.level
+    torch_stage.logger.setLevel(logging.DEBUG)
+    try:
+        for value in values:
+            ours, theirs = torch_stage.map_debug_info(value), _debug.map_debug_info(value)
+            assert str(ours) == str(theirs) and repr(ours) == repr(theirs) and f"{ours}" == f"{theirs}"
+            assert f"args: {ours}\n" == f"args: {theirs}\n"  # the failed forward's message
+            torch_stage.logger.debug("%s Forwarded chunk %s, outputs: %s", "[Stage 0]", 0, ours)
+            torch_stage.logger.debug("%s Forwarded chunk %s, outputs: %s", "[Stage 0]", 0, theirs)
+            assert keep.lines[-1] == keep.lines[-2]
+    finally:
+        torch_stage.logger.removeHandler(keep)
+        torch_stage.logger.setLevel(level)
+    assert len(keep.lines) == 2 * len(values)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as _torch_schedules
+from torch.distributed.pipelining import stage as _torch_stage
 
 from ..contract.layer_io import buffers_kept
 from ..contract.step_totals import shape_inference
@@ -60,6 +61,39 @@ def _ranges_only_when_profiling(name: str, args: str | None = None):
 
 
 _torch_schedules.record_function = _ranges_only_when_profiling
+
+_map_debug_info = _torch_stage.map_debug_info
+
+
+class _DebugInfo:
+    """``map_debug_info(value)`` (torch's description of a stage's tensors: shape, requires_grad, dtype) made when it is
+    formatted, not before: ``str``, ``repr`` and ``format`` give what the description itself gives."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(_map_debug_info(self.value))
+
+    def __repr__(self) -> str:
+        return repr(_map_debug_info(self.value))
+
+    def __format__(self, spec: str) -> str:
+        return format(_map_debug_info(self.value), spec)
+
+
+def _debug_info_when_formatted(value: Any) -> _DebugInfo:
+    """torch's ``forward_one_chunk`` describes every forward's outputs for a ``logger.debug`` line (``map_debug_info``,
+    a few microseconds a micro-batch on this CPU) whether or not debug logging is on; its other use is the message of
+    a failed forward. The stage module's description is made lazily instead: formatted (the log line when it is
+    emitted, logging formats it then; the error message at once) it is the same text. Public alternative checked:
+    none (the call is inside ``forward_one_chunk``)."""
+    return _DebugInfo(value)
+
+
+_torch_stage.map_debug_info = _debug_info_when_formatted
 
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,

@@ -545,3 +545,42 @@ def test_stage_tensor_descriptions_are_made_when_formatted():
         torch_stage.logger.removeHandler(keep)
         torch_stage.logger.setLevel(level)
     assert len(keep.lines) == 2 * len(values)
+
+
+def test_inputs_split_into_micro_batches_as_torch_splits_them():
+    """``_split_plain_tensors`` (torch's runtime's input split): for positional plain tensors the same micro-batches as
+    torch's ``split_args_kwargs_into_chunks`` (views of the same storage, offsets, shapes, strides, gradient flags,
+    retained gradients on a leaf's parts); anything else is torch's own result."""
+    import torch
+    from torch.distributed.pipelining import microbatch, schedules
+
+    from lightning_bfpp._private import pipelining
+
+    assert schedules.split_args_kwargs_into_chunks is pipelining._split_plain_tensors
+    torchs = microbatch.split_args_kwargs_into_chunks
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            return (type(value), value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                    value.stride(), value.requires_grad, value.is_leaf, value.retains_grad,
+                    value._base is not None, value.dtype)
+        if isinstance(value, (tuple, list)):
+            return (type(value), [described(v) for v in value])
+        if isinstance(value, dict):
+            return (dict, {k: described(v) for k, v in value.items()})
+        return value
+
+    x, y = torch.randn(8, 3), torch.arange(8)
+    nonleaf = leaf(6, 2) * 2
+    cases = [((x,), None, 1), ((x,), {}, 4), ((x, y), None, 8), ((x, torch.randn(3, 2)), None, 4),
+             ((leaf(8, 3),), None, 4), ((nonleaf,), None, 3), ((x,), None, 16), ((x, 1.5), None, 2),
+             ((x,), {"mask": y}, 2), ((torch.nn.Parameter(torch.randn(4, 2)),), None, 2), ((), {"a": x}, 2),
+             ((torch.zeros(0, 2),), None, 1)]
+    for args, kwargs, chunks in cases:
+        ours = _answer(pipelining._split_plain_tensors, args, kwargs, chunks)
+        theirs = _answer(torchs, args, kwargs, chunks)
+        assert described(ours) == described(theirs), (args, kwargs, chunks)
+    assert len(pipelining._split_plain_tensors((x,), None, 4)[0]) == 4

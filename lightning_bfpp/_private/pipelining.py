@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import microbatch as _torch_microbatch
 from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining import stage as _torch_stage
 
@@ -94,6 +95,37 @@ def _debug_info_when_formatted(value: Any) -> _DebugInfo:
 
 
 _torch_stage.map_debug_info = _debug_info_when_formatted
+
+_split_args_kwargs_into_chunks = _torch_schedules.split_args_kwargs_into_chunks
+
+
+def _split_plain_tensors(args: tuple[Any, ...], kwargs: dict[str, Any] | None, chunks: int,
+                         args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None) -> tuple[list[tuple], list[dict]]:
+    """torch's runtime splits a step's inputs into micro-batches with ``split_args_kwargs_into_chunks``: chunk specs
+    built by ``tree_map``, the arguments flattened and unflattened through pytrees, per argument and per micro-batch
+    (~100 Python calls a step on this CPU, the same at one micro-batch). Where the inputs are positional plain
+    tensors only (no keyword inputs, no chunk specs, no DTensor or BlockMask, torch's debug masking off) its result
+    is, by its own steps: each tensor ``tensor_split`` along dim 0 into min(its rows..., `chunks`) parts (the leaf
+    tensors needing gradients get ``retain_grad`` on each part), a tuple of the parts per micro-batch and an empty
+    dict of keyword inputs for each; made directly here. Anything else goes to torch's own. Public alternative
+    checked: none (``step`` calls it; the runtime takes no split inputs)."""
+    if (args and not kwargs and args_chunk_spec is None and kwargs_chunk_spec is None
+            and all(type(a) is torch.Tensor and a.dim() > 0 for a in args)
+            and not _torch_microbatch._debug_mask_minibatches):
+        n = min(*(a.size(0) for a in args), chunks)
+        if n >= 1:
+            parts = []
+            for a in args:
+                split = torch.tensor_split(a, n, 0)
+                if a.requires_grad and a.is_leaf:
+                    for part in split:
+                        part.retain_grad()
+                parts.append(split)
+            return [tuple(split[i] for split in parts) for i in range(n)], [{} for _ in range(n)]
+    return _split_args_kwargs_into_chunks(args, kwargs, chunks, args_chunk_spec, kwargs_chunk_spec)
+
+
+_torch_schedules.split_args_kwargs_into_chunks = _split_plain_tensors
 
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,

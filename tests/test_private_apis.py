@@ -584,3 +584,23 @@ def test_inputs_split_into_micro_batches_as_torch_splits_them():
         theirs = _answer(torchs, args, kwargs, chunks)
         assert described(ours) == described(theirs), (args, kwargs, chunks)
     assert len(pipelining._split_plain_tensors((x,), None, 4)[0]) == 4
+
+
+def test_stage_inputs_flatten_as_torch_flattens_them():
+    """``_flatten_plain`` (the stage's ``flatten_args``): the list torch's pytree flattening gives, for every input."""
+    import torch
+    from torch.distributed.pipelining import _utils
+    from torch.distributed.pipelining import stage as torch_stage
+
+    from lightning_bfpp._private import pipelining
+
+    assert torch_stage.flatten_args is pipelining._flatten_plain
+    x, y = torch.randn(2, 3), torch.randn(4)
+    for value in [(x,), (x, y), (), {}, {"a": x}, (x, 2), (x, (y,)), [x, y], (torch.nn.Parameter(y),), x, None,
+                  ({"a": x},)]:
+        ours, theirs = pipelining._flatten_plain(value), _utils.flatten_args(value)
+        assert type(ours) is type(theirs) is list and len(ours) == len(theirs)
+        assert all(a is b for a, b in zip(ours, theirs)), value
+        ours = pipelining._flatten_plain(value, detach=True)
+        theirs = _utils.flatten_args(value, detach=True)
+        assert type(ours) is type(theirs) and len(ours[1]) == len(theirs[1])

@@ -241,7 +241,10 @@ def set_hook_name(pl_module: Any, name: str | None) -> None:
     parameter, child module or buffer (it stores it in the instance's ``__dict__``), without its checks; anything else
     goes through ``setattr`` (its errors included)."""
     state = pl_module.__dict__
-    if ((name is None or type(name) is str) and _stores_hook_names_plainly(type(pl_module))
+    plain = _PLAIN_HOOK_NAME_TYPES.get(type(pl_module))  # (the cache of `_stores_hook_names_plainly`, read inline)
+    if plain is None:
+        plain = _stores_hook_names_plainly(type(pl_module))
+    if ((name is None or type(name) is str) and plain
             and _FX_NAME not in state.get("_parameters", ()) and _FX_NAME not in state.get("_modules", ())
             and _FX_NAME not in state.get("_buffers", ())):
         state[_FX_NAME] = name

@@ -127,6 +127,25 @@ def _split_plain_tensors(args: tuple[Any, ...], kwargs: dict[str, Any] | None, c
 
 _torch_schedules.split_args_kwargs_into_chunks = _split_plain_tensors
 
+_flatten_args = _torch_stage.flatten_args
+
+
+def _flatten_plain(args: Any, *, detach: bool = False) -> Any:
+    """torch's stage flattens every forward's inputs, positional and keyword (``flatten_args``: a pytree
+    ``tree_flatten``, ~10 Python calls each), to keep them for the backward. A tuple of plain tensors flattens to
+    the list of its tensors and an empty dict to an empty list; made directly here, anything else (and
+    ``detach=True``) is torch's own. Public alternative checked: none (the calls are inside ``forward_one_chunk``)."""
+    if not detach:
+        kind = type(args)
+        if kind is tuple and all(type(a) is torch.Tensor for a in args):
+            return list(args)
+        if kind is dict and not args:
+            return []
+    return _flatten_args(args, detach=detach)
+
+
+_torch_stage.flatten_args = _flatten_plain
+
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,
     Op.BACKWARD: _torch_schedules._ComputationType.FULL_BACKWARD,

@@ -251,6 +251,8 @@ def lightnings_bookkeeping():
 def _signature_cases():
     import functools
 
+    from typing_extensions import override
+
     def decorated(fn):
         @functools.wraps(fn)
         def inner(*args, **kwargs):
@@ -269,16 +271,21 @@ def _signature_cases():
         @decorated
         def wrapped(self, batch): ...
         def marked(self, batch, batch_idx): ...
+        @override
+        def overridden(self, batch, batch_idx): ...
+        def partial_like(self, batch): ...
         @staticmethod
         def static(batch, batch_idx): ...
         @classmethod
         def of_class(cls, batch): ...
         def __call__(self, batch, batch_idx): ...
     Hooks.marked.__signature__ = inspect.Signature()  # getfullargspec reads it
+    Hooks.partial_like._partialmethod = functools.partialmethod(Hooks.two, None)  # and this (Python 3.11)
 
     hooks = Hooks()
     return [hooks.two, hooks.one, hooks.star, hooks.star_after, hooks.renamed, hooks.iterator, hooks.keyword_only,
-            hooks.positional_only, hooks.wrapped, hooks.marked, hooks.static, hooks.of_class, hooks,
+            hooks.positional_only, hooks.wrapped, hooks.marked, hooks.overridden, hooks.partial_like, hooks.static,
+            hooks.of_class, hooks,
             lambda batch, batch_idx: None, functools.partial(Hooks.two, hooks), print, [].append]
 
 

@@ -410,6 +410,9 @@ def _does_nothing(fn: Callable) -> bool:
     return code is not None and code.co_code == (lambda self, action_name: None).__code__.co_code
 
 
+# What a function's signature may be read from besides its code (Lightning follows __wrapped__; Python 3.11's
+# getfullargspec reads __signature__ and _partialmethod, later versions __partialmethod__)
+_SIGNATURE_ATTRIBUTES = frozenset({"__wrapped__", "__signature__", "_partialmethod", "__partialmethod__"})
 # The Lightning modules that import ``is_param_in_hook_signature`` by name (every one of them in 2.6.6).
 _SIGNATURE_READERS = ("lightning.pytorch.utilities.signature_utils", "lightning.pytorch.core.module",
                       "lightning.pytorch.core.optimizer", "lightning.pytorch.loops.training_epoch_loop",
@@ -422,11 +425,12 @@ def hook_signatures_read_once_in_place() -> None:
     """Make Lightning's ``is_param_in_hook_signature`` read a plain method's signature once per code object.
 
     The training epoch loop (does ``training_step`` take ``batch_idx``?) and ``LightningModule.log`` (does it take
-    ``dataloader_iter``?) ask it on every step; it runs ``inspect.getfullargspec`` each time (~30 us on this CPU).
-    For a bound method of a plain function with no attributes of its own (no ``__wrapped__``, ``__signature__`` or
-    ``_partialmethod``, which getfullargspec would read), the argument names and ``*args`` come from its code object
-    alone, so they are kept per code object (a method given new code is read anew); anything else goes to
-    Lightning's own, which stays reachable as ``__wrapped__``. Idempotent."""
+    ``dataloader_iter``?) ask it on every step; it runs ``inspect.getfullargspec`` each time (tens of us on this CPU).
+    For a bound method of a plain function without the attributes Lightning or getfullargspec would read
+    (``__wrapped__``, ``__signature__``, ``_partialmethod``; a marker such as ``@override``'s ``__override__`` is
+    none of them), the argument names and ``*args`` come from its code object alone, so they are kept per code
+    object (a method given new code is read anew); anything else goes to Lightning's own, which stays reachable as
+    ``__wrapped__``. Idempotent."""
     original = signature_utils.is_param_in_hook_signature
     if getattr(original, "_bfpp_once", False):
         return
@@ -436,7 +440,7 @@ def hook_signatures_read_once_in_place() -> None:
     def is_param_in_hook_signature(hook_fx: Callable, param: str, explicit: bool = False,
                                    min_args: int | None = None) -> bool:
         fn = getattr(hook_fx, "__func__", None) if type(hook_fx) is types.MethodType else None
-        if type(fn) is not types.FunctionType or fn.__dict__:
+        if type(fn) is not types.FunctionType or (fn.__dict__ and not _SIGNATURE_ATTRIBUTES.isdisjoint(fn.__dict__)):
             return original(hook_fx, param, explicit, min_args)
         code = fn.__code__
         known = read.get(id(code))

@@ -25,6 +25,7 @@ from ._private.lightning_api import (
     process_group_timeout,
     set_module_device_mesh,
     skip_logged_value_moves_in_place,
+    skip_per_hook_bookkeeping_in_place,
 )
 from .adapter.collectives import ReplicaCollectives
 from .adapter.lightning_output import ParameterCount, adapt_lightning_output
@@ -289,6 +290,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, CheckpointHooks, ModelPara
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             skip_logged_value_moves_in_place()  # self.log's per-value walk when nothing moves (host cost per step)
+            skip_per_hook_bookkeeping_in_place()  # Lightning's per-hook name, profiler range, signature reads (same)
             self.setup_optimizers(trainer)
             if self.on_signal == "save" and not any(isinstance(c, SaveOnSignal) for c in trainer.callbacks):
                 trainer.callbacks.append(SaveOnSignal(self._job, self.signal_checkpoint))  # after the user's callbacks

@@ -20,7 +20,8 @@ BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightnin
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
                       "_Action", "_ComputationType", "_device_mesh", "_data_source", "_max_depth",
-                      "_summarize_kwargs"}
+                      "_summarize_kwargs", "_current_fx_name", "_call_lightning_module_hook", "_call_callback_hooks",
+                      "_call_strategy_hook"}
 # `self._optimizer` / `self._device_mesh`: the class's own (or its strategy base's)
 SELF_OK = {"_optimizer", "_device_mesh"}
 LIBRARIES = ("torch", "lightning", "torchmetrics", "pytorch_lightning")
@@ -232,3 +233,381 @@ def test_a_trainers_logged_loss_is_unchanged_by_the_skipped_move():
     finally:
         _ResultMetric.to = patched
     assert with_skip == without
+
+
+# ---- the per-hook bookkeeping bridges (``skip_per_hook_bookkeeping_in_place``), each against Lightning's own path ----
+
+@pytest.fixture
+def lightnings_bookkeeping():
+    """Lightning's own three functions in place for the test, whatever an earlier test installed; the bridges (as a
+    strategy's setup leaves them) afterwards."""
+    from lightning_bfpp._private.lightning_api import restore_per_hook_bookkeeping, skip_per_hook_bookkeeping_in_place
+
+    restore_per_hook_bookkeeping()
+    yield
+    skip_per_hook_bookkeeping_in_place()
+
+
+def _signature_cases():
+    import functools
+
+    from typing_extensions import override
+
+    def decorated(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return inner
+
+    class Hooks:
+        def two(self, batch, batch_idx): ...
+        def one(self, batch): ...
+        def star(self, *args): ...
+        def star_after(self, batch, *args, **kwargs): ...
+        def renamed(self, x, y, z=1): ...
+        def iterator(self, dataloader_iter): ...
+        def keyword_only(self, batch, *, batch_idx=0): ...
+        def positional_only(self, batch, batch_idx, /): ...
+        @decorated
+        def wrapped(self, batch): ...
+        def marked(self, batch, batch_idx): ...
+        @override
+        def overridden(self, batch, batch_idx): ...
+        def partial_like(self, batch): ...
+        @staticmethod
+        def static(batch, batch_idx): ...
+        @classmethod
+        def of_class(cls, batch): ...
+        def __call__(self, batch, batch_idx): ...
+    Hooks.marked.__signature__ = inspect.Signature()  # getfullargspec reads it
+    Hooks.partial_like._partialmethod = functools.partialmethod(Hooks.two, None)  # and this (Python 3.11)
+
+    hooks = Hooks()
+    return [hooks.two, hooks.one, hooks.star, hooks.star_after, hooks.renamed, hooks.iterator, hooks.keyword_only,
+            hooks.positional_only, hooks.wrapped, hooks.marked, hooks.overridden, hooks.partial_like, hooks.static,
+            hooks.of_class, hooks,
+            lambda batch, batch_idx: None, functools.partial(Hooks.two, hooks), print, [].append]
+
+
+import inspect  # noqa: E402  (the cases above)
+
+
+def _answer(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as error:  # the same error type where Lightning's raises
+        return type(error)
+
+
+def test_hook_signatures_read_once_answer_as_lightnings(lightnings_bookkeeping):
+    """``hook_signatures_read_once_in_place``: the same answer as Lightning's for every kind of callable and question
+    (read twice: the kept reading too), and a method given new code is read anew."""
+    from lightning.pytorch.core import module as core_module
+    from lightning.pytorch.loops import training_epoch_loop
+    from lightning.pytorch.utilities import signature_utils
+
+    from lightning_bfpp._private.lightning_api import hook_signatures_read_once_in_place
+
+    lightnings = signature_utils.is_param_in_hook_signature
+    questions = [(param, explicit, min_args) for param in ("batch_idx", "dataloader_iter", "batch")
+                 for explicit in (False, True) for min_args in (None, 1, 2, 3)]
+    cases = _signature_cases()
+    expected = [[_answer(lightnings, fn, *q) for q in questions] for fn in cases]
+    hook_signatures_read_once_in_place()
+    hook_signatures_read_once_in_place()  # once only
+    ours = signature_utils.is_param_in_hook_signature
+    assert ours is not lightnings and ours.__wrapped__ is lightnings
+    assert core_module.is_param_in_hook_signature is ours and training_epoch_loop.is_param_in_hook_signature is ours
+    for _ in range(2):
+        assert [[_answer(ours, fn, *q) for q in questions] for fn in cases] == expected
+
+    class Changing:
+        def step(self, batch): ...
+    changing = Changing()
+    assert not ours(changing.step, "batch_idx", min_args=2)
+    Changing.step.__code__ = (lambda self, batch, batch_idx: None).__code__
+    assert ours(changing.step, "batch_idx", min_args=2) and lightnings(changing.step, "batch_idx", min_args=2)
+
+
+def test_pass_through_profiles_are_lightnings_ranges(lightnings_bookkeeping):
+    """``pass_through_profiles_without_generators_in_place``: PassThroughProfiler's range gives its name and lets
+    errors through, as Lightning's; a subclass's start and stop are still called (Lightning's own range)."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from lightning_bfpp._private.lightning_api import pass_through_profiles_without_generators_in_place
+
+    def use(profiler):
+        with profiler.profile("action") as name:
+            seen = name
+        with pytest.raises(KeyError, match="inside"), profiler.profile("failing"):
+            raise KeyError("inside")
+        return seen
+
+    class Recording(PassThroughProfiler):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def start(self, action_name):
+            self.calls.append(("start", action_name))
+
+        def stop(self, action_name):
+            self.calls.append(("stop", action_name))
+
+    expected = (use(PassThroughProfiler()), use(recording := Recording()), recording.calls)
+    pass_through_profiles_without_generators_in_place()
+    pass_through_profiles_without_generators_in_place()  # once only
+    assert getattr(PassThroughProfiler.profile, "_bfpp_passing", False)
+    assert (use(PassThroughProfiler()), use(recording := Recording()), recording.calls) == expected
+    assert expected[0] == "action" and expected[2] == [("start", "action"), ("stop", "action"), ("start", "failing"),
+                                                       ("stop", "failing")]
+
+
+def test_hook_names_are_set_as_setattr_sets_them():
+    """``set_hook_name`` leaves a module as ``module._current_fx_name = name`` does, and where that would not store
+    it plainly (a buffer of that name, a property, a __setattr__ of the class's own or after nn.Module's) it is that
+    assignment, its error included."""
+    import lightning as L
+    import torch
+
+    from lightning_bfpp._private.lightning_api import set_hook_name
+
+    class Plain(L.LightningModule):
+        pass
+
+    class WithBuffer(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            del self._current_fx_name
+            self.register_buffer("_current_fx_name", torch.zeros(1))
+
+    seen = []
+
+    class OwnSetattr(L.LightningModule):
+        def __setattr__(self, name, value):
+            seen.append((name, value))
+            super().__setattr__(name, value)
+
+    class After:
+        def __setattr__(self, name, value):
+            seen.append(("after", name, value))
+            object.__setattr__(self, name, value)
+
+    class SetattrAfter(L.LightningModule, After):
+        pass
+
+    class Property(L.LightningModule):
+        @property
+        def _current_fx_name(self):
+            return self.__dict__.get("name")
+
+        @_current_fx_name.setter
+        def _current_fx_name(self, value):
+            self.__dict__["name"] = value
+
+    for cls in (Plain, WithBuffer, OwnSetattr, SetattrAfter, Property):
+        for name in ("training_step", None, torch.zeros(2)):
+            ours, theirs = cls(), cls()
+            seen.clear()
+            ours_error = _answer(set_hook_name, ours, name)
+            ours_seen, seen[:] = list(seen), []
+            theirs_error = _answer(setattr, theirs, "_current_fx_name", name)
+            assert ours_seen == seen and ours_error == theirs_error, (cls, name)
+            assert bool(seen) == (cls in (OwnSetattr, SetattrAfter)), (cls, name)  # their __setattr__ ran, as ever
+            assert set(ours.__dict__) == set(theirs.__dict__) and set(ours._buffers) == set(theirs._buffers)
+            for key in ("_current_fx_name", "name"):
+                a = ours.__dict__.get(key, ours._buffers.get(key))
+                b = theirs.__dict__.get(key, theirs._buffers.get(key))
+                assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (cls, name, key)
+
+
+def test_hook_calls_are_copied_from_the_installed_lightning(lightnings_bookkeeping, monkeypatch):
+    """The copies go in only over the Lightning functions they were copied from (their sources' sha256)."""
+    from lightning.pytorch.trainer import call
+
+    from lightning_bfpp._private import lightning_api
+
+    lightnings = call._call_callback_hooks
+    monkeypatch.setitem(lightning_api._LIGHTNING_HOOK_CALLS, "_call_callback_hooks", "0" * 64)
+    assert not lightning_api.hook_names_set_directly_in_place()
+    assert call._call_callback_hooks is lightnings and not getattr(call._call_strategy_hook, "_bfpp_direct", False)
+    monkeypatch.undo()
+    assert lightning_api.hook_names_set_directly_in_place()
+    assert lightning_api.hook_names_set_directly_in_place()  # once only
+    assert call._call_callback_hooks.__wrapped__ is lightnings
+
+
+def test_a_trainers_hooks_logs_and_losses_are_unchanged_by_the_bookkeeping_bridges(lightnings_bookkeeping):
+    """Through a Trainer (strategy="auto", a callback logging, a profiler-less and a simple profiler run): the name
+    every hook sees as ``_current_fx_name``, the hooks called, the logged values and losses are Lightning's."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.profilers import SimpleProfiler
+    from lightning.pytorch.trainer import call
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_bfpp._private.lightning_api import restore_per_hook_bookkeeping, skip_per_hook_bookkeeping_in_place
+
+    class Net(L.LightningModule):
+        def __init__(self, record):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = torch.nn.Linear(4, 1)
+            self.record = record
+
+        def training_step(self, batch, batch_idx):
+            self.record.append(("training_step", self._current_fx_name))
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.record.append(("validation_step", self._current_fx_name))
+            self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+        def on_train_batch_start(self, batch, batch_idx):
+            self.record.append(("on_train_batch_start", self._current_fx_name))
+
+        def on_before_optimizer_step(self, optimizer):
+            self.record.append(("on_before_optimizer_step", self._current_fx_name))
+
+        def configure_optimizers(self):
+            self.record.append(("configure_optimizers", self._current_fx_name))
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Watch(L.Callback):
+        def __init__(self, record):
+            self.record = record
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.record.append(("cb.on_train_batch_end", pl_module._current_fx_name))
+            pl_module.log("from_callback", float(batch_idx), on_step=True, on_epoch=True)
+
+        def on_validation_epoch_end(self, trainer, pl_module):
+            self.record.append(("cb.on_validation_epoch_end", pl_module._current_fx_name))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.record.append(("cb.on_train_epoch_end", pl_module._current_fx_name))
+
+    def fit(profiler) -> tuple:
+        torch.manual_seed(1)
+        data = TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        record: list = []
+        net = Net(record)
+        trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, accelerator="cpu", devices=1, profiler=profiler,
+                            callbacks=[Watch(record)], limit_val_batches=2)
+        trainer.fit(net, DataLoader(data, batch_size=8), DataLoader(data, batch_size=8))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        return record, metrics, [p.detach().clone() for p in net.parameters()], net._current_fx_name
+
+    for profiler in (None, SimpleProfiler()):
+        without = fit(profiler)
+        skip_per_hook_bookkeeping_in_place()
+        assert getattr(call._call_callback_hooks, "_bfpp_direct", False)
+        try:
+            with_bridges = fit(profiler)
+        finally:
+            restore_per_hook_bookkeeping()
+        assert with_bridges[0] == without[0] and with_bridges[1] == without[1] and with_bridges[3] == without[3]
+        assert all(torch.equal(a, b) for a, b in zip(with_bridges[2], without[2]))
+        assert ("cb.on_train_batch_end", "on_train_batch_end") in without[0] and "from_callback_epoch" in without[1]
+
+
+def test_stage_tensor_descriptions_are_made_when_formatted():
+    """torch's stage module describes a forward's outputs (``map_debug_info``) for a debug line on every forward: bfpp
+    makes the description only when it is formatted; the log line and an error message read the same text."""
+    import logging
+
+    import torch
+    from torch.distributed.pipelining import _debug
+    from torch.distributed.pipelining import stage as torch_stage
+
+    import lightning_bfpp._private.pipelining  # noqa: F401  (installs the lazy description)
+
+    t = torch.randn(2, 3, requires_grad=True)
+    values = [t, (t, t.detach()), {"x": t, "n": 3}, [t.double(), None], 1.5, "text"]
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(self.format(record))
+
+    keep = Keep()
+    torch_stage.logger.addHandler(keep)
+    level = torch_stage.logger.level
+    torch_stage.logger.setLevel(logging.DEBUG)
+    try:
+        for value in values:
+            ours, theirs = torch_stage.map_debug_info(value), _debug.map_debug_info(value)
+            assert str(ours) == str(theirs) and repr(ours) == repr(theirs) and f"{ours}" == f"{theirs}"
+            assert f"args: {ours}\n" == f"args: {theirs}\n"  # the failed forward's message
+            torch_stage.logger.debug("%s Forwarded chunk %s, outputs: %s", "[Stage 0]", 0, ours)
+            torch_stage.logger.debug("%s Forwarded chunk %s, outputs: %s", "[Stage 0]", 0, theirs)
+            assert keep.lines[-1] == keep.lines[-2]
+    finally:
+        torch_stage.logger.removeHandler(keep)
+        torch_stage.logger.setLevel(level)
+    assert len(keep.lines) == 2 * len(values)
+
+
+def test_inputs_split_into_micro_batches_as_torch_splits_them():
+    """``_split_plain_tensors`` (torch's runtime's input split): for positional plain tensors the same micro-batches as
+    torch's ``split_args_kwargs_into_chunks`` (views of the same storage, offsets, shapes, strides, gradient flags,
+    retained gradients on a leaf's parts); anything else is torch's own result."""
+    import torch
+    from torch.distributed.pipelining import microbatch, schedules
+
+    from lightning_bfpp._private import pipelining
+
+    assert schedules.split_args_kwargs_into_chunks is pipelining._split_plain_tensors
+    torchs = microbatch.split_args_kwargs_into_chunks
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            return (type(value), value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                    value.stride(), value.requires_grad, value.is_leaf, value.retains_grad,
+                    value._base is not None, value.dtype)
+        if isinstance(value, (tuple, list)):
+            return (type(value), [described(v) for v in value])
+        if isinstance(value, dict):
+            return (dict, {k: described(v) for k, v in value.items()})
+        return value
+
+    x, y = torch.randn(8, 3), torch.arange(8)
+    nonleaf = leaf(6, 2) * 2
+    cases = [((x,), None, 1), ((x,), {}, 4), ((x, y), None, 8), ((x, torch.randn(3, 2)), None, 4),
+             ((leaf(8, 3),), None, 4), ((nonleaf,), None, 3), ((x,), None, 16), ((x, 1.5), None, 2),
+             ((x,), {"mask": y}, 2), ((torch.nn.Parameter(torch.randn(4, 2)),), None, 2), ((), {"a": x}, 2),
+             ((torch.zeros(0, 2),), None, 1)]
+    for args, kwargs, chunks in cases:
+        ours = _answer(pipelining._split_plain_tensors, args, kwargs, chunks)
+        theirs = _answer(torchs, args, kwargs, chunks)
+        assert described(ours) == described(theirs), (args, kwargs, chunks)
+    assert len(pipelining._split_plain_tensors((x,), None, 4)[0]) == 4
+
+
+def test_stage_inputs_flatten_as_torch_flattens_them():
+    """``_flatten_plain`` (the stage's ``flatten_args``): the list torch's pytree flattening gives, for every input."""
+    import torch
+    from torch.distributed.pipelining import _utils
+    from torch.distributed.pipelining import stage as torch_stage
+
+    from lightning_bfpp._private import pipelining
+
+    assert torch_stage.flatten_args is pipelining._flatten_plain
+    x, y = torch.randn(2, 3), torch.randn(4)
+    for value in [(x,), (x, y), (), {}, {"a": x}, (x, 2), (x, (y,)), [x, y], (torch.nn.Parameter(y),), x, None,
+                  ({"a": x},)]:
+        ours, theirs = pipelining._flatten_plain(value), _utils.flatten_args(value)
+        assert type(ours) is type(theirs) is list and len(ours) == len(theirs)
+        assert all(a is b for a, b in zip(ours, theirs)), value
+        ours = pipelining._flatten_plain(value, detach=True)
+        theirs = _utils.flatten_args(value, detach=True)
+        assert type(ours) is type(theirs) and len(ours[1]) == len(theirs[1])

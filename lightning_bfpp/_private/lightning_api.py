@@ -5,6 +5,10 @@ overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a st
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
+import inspect
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -18,9 +22,13 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call as lightning_call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+from lightning.pytorch.utilities import signature_utils
 from torchmetrics import Metric
 
 from .versions import check_version
@@ -192,3 +200,289 @@ def _all_on(metric: _ResultMetric, device: torch.device) -> bool:
 _CONTAINERS = (dict, list, tuple, set)
 # what `_all_on` reads itself, and the states' flags and reduction functions (never tensors)
 _CHECKED = frozenset({"value", "cumulated_batch_size", "_forward_cache", "_defaults", "_persistent", "_reductions"})
+
+
+# Lightning's per-hook bookkeeping: every hook call of a training step (~22 at one micro-batch: the module's, the
+# callbacks', the strategy's) sets and restores ``LightningModule._current_fx_name`` and opens a profiler range, and
+# two calls a step read a hook's signature. At bfpp's host cost per step (benchmarks/host_overhead.py) each is worth
+# removing, and each bridge below does exactly what Lightning's own path does, only with less work:
+#   hook_names_set_directly_in_place          nn.Module.__setattr__'s checks of a str attribute, ~44 per step
+#   pass_through_profiles_without_generators_in_place   a @contextmanager generator per range, ~58 per step
+#   hook_signatures_read_once_in_place        inspect.getfullargspec of training_step, twice per step
+# Public alternative checked for each: none (they are inside Lightning's loop; a strategy hook cannot reach them).
+# Installed by the strategy's setup for fitting, like ``skip_logged_value_moves_in_place``: process-wide (speed only),
+# idempotent, Lightning's own functions kept as each replacement's ``__wrapped__`` (``restore_per_hook_bookkeeping``
+# puts them back); ``tests/test_private_apis.py`` compares each with Lightning's own.
+
+_FX_NAME = "_current_fx_name"
+# (a type -> whether an instance's `_current_fx_name` may be stored in its __dict__: see `_stores_hook_names_plainly`)
+_PLAIN_HOOK_NAME_TYPES: dict[type, bool] = {}
+
+
+def _stores_hook_names_plainly(cls: type) -> bool:
+    """Whether ``obj._current_fx_name = <a str or None>`` on an instance of `cls` is nn.Module.__setattr__ ending in
+    ``object.__setattr__``, which stores it in the instance's ``__dict__``: `cls`'s ``__setattr__`` is nn.Module's,
+    no class after nn.Module in its MRO has a ``__setattr__`` of its own (nn.Module's ``super().__setattr__``), and no
+    class has a ``_current_fx_name`` attribute (a descriptor would intercept the store). Read once per class: a class
+    given such an attribute or ``__setattr__`` after its first hook call is not seen (Lightning sets none)."""
+    plain = _PLAIN_HOOK_NAME_TYPES.get(cls)
+    if plain is None:
+        mro = cls.__mro__
+        after = mro[mro.index(torch.nn.Module) + 1:] if torch.nn.Module in mro else ()
+        plain = (cls.__setattr__ is torch.nn.Module.__setattr__
+                 and all("__setattr__" not in c.__dict__ for c in after if c is not object)
+                 and not any(_FX_NAME in c.__dict__ for c in mro))
+        _PLAIN_HOOK_NAME_TYPES[cls] = plain
+    return plain
+
+
+def set_hook_name(pl_module: Any, name: str | None) -> None:
+    """``pl_module._current_fx_name = name``, as nn.Module.__setattr__ does it for a str or None that names no
+    parameter, child module or buffer (it stores it in the instance's ``__dict__``), without its checks; anything else
+    goes through ``setattr`` (its errors included)."""
+    state = pl_module.__dict__
+    plain = _PLAIN_HOOK_NAME_TYPES.get(type(pl_module))  # (the cache of `_stores_hook_names_plainly`, read inline)
+    if plain is None:
+        plain = _stores_hook_names_plainly(type(pl_module))
+    if ((name is None or type(name) is str) and plain
+            and _FX_NAME not in state.get("_parameters", ()) and _FX_NAME not in state.get("_modules", ())
+            and _FX_NAME not in state.get("_buffers", ())):
+        state[_FX_NAME] = name
+    else:
+        setattr(pl_module, _FX_NAME, name)
+
+
+# Lightning 2.6.6's lightning/pytorch/trainer/call.py, each function as Lightning writes it but for
+# ``pl_module._current_fx_name = x`` written ``set_hook_name(pl_module, x)``. Installed only over the functions they
+# were copied from: `_LIGHTNING_HOOK_CALLS` holds the sha256 of each one's source (``inspect.getsource``).
+_LIGHTNING_HOOK_CALLS = {
+    "_call_lightning_module_hook": "558a87d04c4680e11dedd13657c37abf63e2da69ec5721e1cc330b6b699c2d8c",
+    "_call_callback_hooks": "c413fb9a6a9ce1a31d0c48ce381076ae9113f5db9862e5a5c58e95c7282ba2f3",
+    "_call_strategy_hook": "ff429e3ac60d2a80e8e770fb77ceef59766a2a90521b5d0062a82813d279b8db",
+}
+
+
+def _call_lightning_module_hook(trainer: Any, hook_name: str, *args: Any, pl_module: Any = None, **kwargs: Any) -> Any:
+    log = lightning_call.log
+    log.debug(f"{trainer.__class__.__name__}: calling lightning module hook: {hook_name}")
+
+    pl_module = pl_module or trainer.lightning_module
+
+    if pl_module is None:
+        raise TypeError("No `LightningModule` is available to call hooks on.")
+
+    fn = getattr(pl_module, hook_name)
+    if not callable(fn):
+        return None
+
+    prev_fx_name = pl_module._current_fx_name
+    set_hook_name(pl_module, hook_name)
+
+    with trainer.profiler.profile(f"[LightningModule]{pl_module.__class__.__name__}.{hook_name}"):
+        output = fn(*args, **kwargs)
+
+    # restore current_fx when nested context
+    set_hook_name(pl_module, prev_fx_name)
+
+    return output
+
+
+def _call_callback_hooks(trainer: Any, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None,
+                         **kwargs: Any) -> None:
+    log = lightning_call.log
+    log.debug(f"{trainer.__class__.__name__}: calling callback hook: {hook_name}")
+
+    pl_module = trainer.lightning_module
+    if pl_module:
+        prev_fx_name = pl_module._current_fx_name
+        set_hook_name(pl_module, hook_name)
+
+    callbacks = trainer.callbacks
+    if monitoring_callbacks is True:
+        # the list of "monitoring callbacks" is hard-coded to these two. we could add an API to define this
+        callbacks = [cb for cb in callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
+    elif monitoring_callbacks is False:
+        callbacks = [cb for cb in callbacks if not isinstance(cb, (EarlyStopping, Checkpoint))]
+
+    for callback in callbacks:
+        fn = getattr(callback, hook_name)
+        if callable(fn):
+            with trainer.profiler.profile(f"[Callback]{callback.state_key}.{hook_name}"):
+                fn(trainer, trainer.lightning_module, *args, **kwargs)
+
+    if pl_module:
+        # restore current_fx when nested context
+        set_hook_name(pl_module, prev_fx_name)
+
+
+def _call_strategy_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
+    log = lightning_call.log
+    log.debug(f"{trainer.__class__.__name__}: calling strategy hook: {hook_name}")
+
+    pl_module = trainer.lightning_module
+    prev_fx_name = pl_module._current_fx_name
+    set_hook_name(pl_module, hook_name)
+
+    fn = getattr(trainer.strategy, hook_name)
+    if not callable(fn):
+        return None
+
+    with trainer.profiler.profile(f"[Strategy]{trainer.strategy.__class__.__name__}.{hook_name}"):
+        output = fn(*args, **kwargs)
+
+    # restore current_fx when nested context
+    set_hook_name(pl_module, prev_fx_name)
+
+    return output
+
+
+_HOOK_CALLS = {"_call_lightning_module_hook": _call_lightning_module_hook,
+               "_call_callback_hooks": _call_callback_hooks, "_call_strategy_hook": _call_strategy_hook}
+
+
+def hook_names_set_directly_in_place() -> bool:
+    """Replace Lightning's three per-hook call functions (``lightning.pytorch.trainer.call``; every loop and the Trainer
+    call them through that module) with the copies above, which set ``_current_fx_name`` through `set_hook_name`: ~1 us
+    instead of nn.Module.__setattr__'s ~6 us (two metaclass isinstance checks, a Python frame) on this CPU, ~44 times
+    a step. Only where every one of Lightning's functions is the source it was copied from (else all stay Lightning's;
+    returns whether the copies are installed)."""
+    current = {name: getattr(lightning_call, name) for name in _HOOK_CALLS}
+    if all(getattr(fn, "_bfpp_direct", False) for fn in current.values()):
+        return True
+    for name, fn in current.items():
+        if getattr(fn, "_bfpp_direct", False) or _source_sha256(fn) != _LIGHTNING_HOOK_CALLS[name]:
+            return False
+    for name, copy in _HOOK_CALLS.items():
+        copy.__wrapped__ = current[name]  # type: ignore[attr-defined]
+        copy._bfpp_direct = True  # type: ignore[attr-defined]
+        setattr(lightning_call, name, copy)
+    return True
+
+
+def _source_sha256(fn: Callable) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
+    except (OSError, TypeError):
+        return ""
+
+
+class _PassingRange:
+    """What ``PassThroughProfiler.profile(action_name)`` is: entering gives `action_name`, nothing else happens."""
+
+    __slots__ = ("action_name",)
+
+    def __init__(self, action_name: str) -> None:
+        self.action_name = action_name
+
+    def __enter__(self) -> str:
+        return self.action_name
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def pass_through_profiles_without_generators_in_place() -> None:
+    """Make ``PassThroughProfiler.profile`` (the Trainer's profiler unless one is given) return a plain context
+    manager instead of running Lightning's ``Profiler.profile`` generator (``@contextmanager``: start, yield the name,
+    stop), whose start and stop do nothing for this class: ~1 us instead of ~6 us a range on this CPU, ~58 ranges a
+    step. Only for PassThroughProfiler itself (a subclass gets Lightning's own, its start and stop called) and only
+    while its start and stop are Lightning's (bodies of ``pass``: checked at install). Idempotent."""
+    current = PassThroughProfiler.profile
+    if getattr(current, "_bfpp_passing", False):
+        return
+    if not all(_does_nothing(getattr(PassThroughProfiler, name)) for name in ("start", "stop")):
+        return
+
+    @functools.wraps(current)
+    def profile(self: Any, action_name: str) -> Any:
+        if type(self) is PassThroughProfiler:
+            return _PassingRange(action_name)
+        return current(self, action_name)
+
+    profile._bfpp_passing = True  # type: ignore[attr-defined]
+    profile._bfpp_had_own = "profile" in PassThroughProfiler.__dict__  # type: ignore[attr-defined]
+    PassThroughProfiler.profile = profile  # type: ignore[method-assign]
+
+
+def _does_nothing(fn: Callable) -> bool:
+    """Whether `fn` is a function whose body is ``pass`` (its code: return None, nothing else)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_code == (lambda self, action_name: None).__code__.co_code
+
+
+# What a function's signature may be read from besides its code (Lightning follows __wrapped__; Python 3.11's
+# getfullargspec reads __signature__ and _partialmethod, later versions __partialmethod__)
+_SIGNATURE_ATTRIBUTES = frozenset({"__wrapped__", "__signature__", "_partialmethod", "__partialmethod__"})
+# The Lightning modules that import ``is_param_in_hook_signature`` by name (every one of them in 2.6.6).
+_SIGNATURE_READERS = ("lightning.pytorch.utilities.signature_utils", "lightning.pytorch.core.module",
+                      "lightning.pytorch.core.optimizer", "lightning.pytorch.loops.training_epoch_loop",
+                      "lightning.pytorch.loops.evaluation_loop", "lightning.pytorch.loops.prediction_loop",
+                      "lightning.pytorch.loops.utilities", "lightning.pytorch.trainer.configuration_validator",
+                      "lightning.pytorch.callbacks.prediction_writer")
+
+
+def hook_signatures_read_once_in_place() -> None:
+    """Make Lightning's ``is_param_in_hook_signature`` read a plain method's signature once per code object.
+
+    The training epoch loop (does ``training_step`` take ``batch_idx``?) and ``LightningModule.log`` (does it take
+    ``dataloader_iter``?) ask it on every step; it runs ``inspect.getfullargspec`` each time (tens of us on this CPU).
+    For a bound method of a plain function without the attributes Lightning or getfullargspec would read
+    (``__wrapped__``, ``__signature__``, ``_partialmethod``; a marker such as ``@override``'s ``__override__`` is
+    none of them), the argument names and ``*args`` come from its code object alone, so they are kept per code
+    object (a method given new code is read anew); anything else goes to Lightning's own, which stays reachable as
+    ``__wrapped__``. Idempotent."""
+    original = signature_utils.is_param_in_hook_signature
+    if getattr(original, "_bfpp_once", False):
+        return
+    read: dict[int, tuple[types.CodeType, list[str], str | None]] = {}  # id(code) -> (code, args after self, varargs)
+
+    @functools.wraps(original)
+    def is_param_in_hook_signature(hook_fx: Callable, param: str, explicit: bool = False,
+                                   min_args: int | None = None) -> bool:
+        fn = getattr(hook_fx, "__func__", None) if type(hook_fx) is types.MethodType else None
+        if type(fn) is not types.FunctionType or (fn.__dict__ and not _SIGNATURE_ATTRIBUTES.isdisjoint(fn.__dict__)):
+            return original(hook_fx, param, explicit, min_args)
+        code = fn.__code__
+        known = read.get(id(code))
+        if known is None or known[0] is not code:
+            spec = inspect.getfullargspec(hook_fx)
+            known = read[id(code)] = (code, spec.args[1:], spec.varargs)  # ignore `self`, as Lightning does
+        _, args, varargs = known
+        return (
+            param in args
+            or (not explicit and (varargs is not None))
+            or (isinstance(min_args, int) and len(args) >= min_args)
+        )
+
+    is_param_in_hook_signature._bfpp_once = True  # type: ignore[attr-defined]
+    for name in _SIGNATURE_READERS:
+        module = importlib.import_module(name)
+        if getattr(module, "is_param_in_hook_signature", None) is original:
+            module.is_param_in_hook_signature = is_param_in_hook_signature
+
+
+def skip_per_hook_bookkeeping_in_place() -> None:
+    """The three bridges above, installed together (the strategy's setup for fitting)."""
+    hook_names_set_directly_in_place()
+    pass_through_profiles_without_generators_in_place()
+    hook_signatures_read_once_in_place()
+
+
+def restore_per_hook_bookkeeping() -> None:
+    """Lightning's own functions back in place of the three bridges' (tests compare the two paths)."""
+    for name in _HOOK_CALLS:
+        fn = getattr(lightning_call, name)
+        if getattr(fn, "_bfpp_direct", False):
+            setattr(lightning_call, name, fn.__wrapped__)
+    installed = PassThroughProfiler.profile
+    if getattr(installed, "_bfpp_passing", False):
+        if installed._bfpp_had_own:
+            PassThroughProfiler.profile = installed.__wrapped__  # type: ignore[method-assign]
+        else:
+            del PassThroughProfiler.profile  # Profiler.profile again (PassThroughProfiler defines none in 2.6.6)
+    installed = signature_utils.is_param_in_hook_signature
+    if getattr(installed, "_bfpp_once", False):
+        for name in _SIGNATURE_READERS:
+            module = importlib.import_module(name)
+            if getattr(module, "is_param_in_hook_signature", None) is installed:
+                module.is_param_in_hook_signature = installed.__wrapped__

@@ -290,7 +290,7 @@ class BFPPStrategy(PipelineSteps, ReplicaCollectives, CheckpointHooks, ModelPara
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             skip_logged_value_moves_in_place()  # self.log's per-value walk when nothing moves (host cost per step)
-            skip_per_hook_bookkeeping_in_place()  # Lightning's per-hook name, profiler range, signature reads (same)
+            skip_per_hook_bookkeeping_in_place()  # Lightning's per-hook profiler range and signature reads (same)
             self.setup_optimizers(trainer)
             if self.on_signal == "save" and not any(isinstance(c, SaveOnSignal) for c in trainer.callbacks):
                 trainer.callbacks.append(SaveOnSignal(self._job, self.signal_checkpoint))  # after the user's callbacks

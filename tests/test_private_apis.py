@@ -20,8 +20,7 @@ BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightnin
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
                       "_Action", "_ComputationType", "_device_mesh", "_data_source", "_max_depth",
-                      "_summarize_kwargs", "_current_fx_name", "_call_lightning_module_hook", "_call_callback_hooks",
-                      "_call_strategy_hook"}
+                      "_summarize_kwargs"}
 # `self._optimizer` / `self._device_mesh`: the class's own (or its strategy base's)
 SELF_OK = {"_optimizer", "_device_mesh"}
 LIBRARIES = ("torch", "lightning", "torchmetrics", "pytorch_lightning")
@@ -239,7 +238,7 @@ def test_a_trainers_logged_loss_is_unchanged_by_the_skipped_move():
 
 @pytest.fixture
 def lightnings_bookkeeping():
-    """Lightning's own three functions in place for the test, whatever an earlier test installed; the bridges (as a
+    """Lightning's own functions in place for the test, whatever an earlier test installed; the bridges (as a
     strategy's setup leaves them) afterwards."""
     from lightning_bfpp._private.lightning_api import restore_per_hook_bookkeeping, skip_per_hook_bookkeeping_in_place
 
@@ -363,87 +362,12 @@ def test_pass_through_profiles_are_lightnings_ranges(lightnings_bookkeeping):
                                                        ("stop", "failing")]
 
 
-def test_hook_names_are_set_as_setattr_sets_them():
-    """``set_hook_name`` leaves a module as ``module._current_fx_name = name`` does, and where that would not store
-    it plainly (a buffer of that name, a property, a __setattr__ of the class's own or after nn.Module's) it is that
-    assignment, its error included."""
-    import lightning as L
-    import torch
-
-    from lightning_bfpp._private.lightning_api import set_hook_name
-
-    class Plain(L.LightningModule):
-        pass
-
-    class WithBuffer(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            del self._current_fx_name
-            self.register_buffer("_current_fx_name", torch.zeros(1))
-
-    seen = []
-
-    class OwnSetattr(L.LightningModule):
-        def __setattr__(self, name, value):
-            seen.append((name, value))
-            super().__setattr__(name, value)
-
-    class After:
-        def __setattr__(self, name, value):
-            seen.append(("after", name, value))
-            object.__setattr__(self, name, value)
-
-    class SetattrAfter(L.LightningModule, After):
-        pass
-
-    class Property(L.LightningModule):
-        @property
-        def _current_fx_name(self):
-            return self.__dict__.get("name")
-
-        @_current_fx_name.setter
-        def _current_fx_name(self, value):
-            self.__dict__["name"] = value
-
-    for cls in (Plain, WithBuffer, OwnSetattr, SetattrAfter, Property):
-        for name in ("training_step", None, torch.zeros(2)):
-            ours, theirs = cls(), cls()
-            seen.clear()
-            ours_error = _answer(set_hook_name, ours, name)
-            ours_seen, seen[:] = list(seen), []
-            theirs_error = _answer(setattr, theirs, "_current_fx_name", name)
-            assert ours_seen == seen and ours_error == theirs_error, (cls, name)
-            assert bool(seen) == (cls in (OwnSetattr, SetattrAfter)), (cls, name)  # their __setattr__ ran, as ever
-            assert set(ours.__dict__) == set(theirs.__dict__) and set(ours._buffers) == set(theirs._buffers)
-            for key in ("_current_fx_name", "name"):
-                a = ours.__dict__.get(key, ours._buffers.get(key))
-                b = theirs.__dict__.get(key, theirs._buffers.get(key))
-                assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (cls, name, key)
-
-
-def test_hook_calls_are_copied_from_the_installed_lightning(lightnings_bookkeeping, monkeypatch):
-    """The copies go in only over the Lightning functions they were copied from (their sources' sha256)."""
-    from lightning.pytorch.trainer import call
-
-    from lightning_bfpp._private import lightning_api
-
-    lightnings = call._call_callback_hooks
-    monkeypatch.setitem(lightning_api._LIGHTNING_HOOK_CALLS, "_call_callback_hooks", "0" * 64)
-    assert not lightning_api.hook_names_set_directly_in_place()
-    assert call._call_callback_hooks is lightnings and not getattr(call._call_strategy_hook, "_bfpp_direct", False)
-    monkeypatch.undo()
-    assert lightning_api.hook_names_set_directly_in_place()
-    assert lightning_api.hook_names_set_directly_in_place()  # once only
-    assert call._call_callback_hooks.__wrapped__ is lightnings
-
-
 def test_a_trainers_hooks_logs_and_losses_are_unchanged_by_the_bookkeeping_bridges(lightnings_bookkeeping):
     """Through a Trainer (strategy="auto", a callback logging, a profiler-less and a simple profiler run): the name
     every hook sees as ``_current_fx_name``, the hooks called, the logged values and losses are Lightning's."""
     import lightning as L
     import torch
-    from lightning.pytorch.profilers import SimpleProfiler
-    from lightning.pytorch.trainer import call
+    from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_bfpp._private.lightning_api import restore_per_hook_bookkeeping, skip_per_hook_bookkeeping_in_place
@@ -504,7 +428,7 @@ def test_a_trainers_hooks_logs_and_losses_are_unchanged_by_the_bookkeeping_bridg
     for profiler in (None, SimpleProfiler()):
         without = fit(profiler)
         skip_per_hook_bookkeeping_in_place()
-        assert getattr(call._call_callback_hooks, "_bfpp_direct", False)
+        assert getattr(PassThroughProfiler.profile, "_bfpp_passing", False)
         try:
             with_bridges = fit(profiler)
         finally:

@@ -5,7 +5,6 @@ overrides Lightning's ``Strategy._configure_launcher`` hook (the only place a st
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import inspect
 import types
@@ -22,11 +21,9 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.callbacks import Checkpoint, EarlyStopping
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer import call as lightning_call
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 from lightning.pytorch.utilities import signature_utils
 from torchmetrics import Metric
@@ -203,168 +200,15 @@ _CHECKED = frozenset({"value", "cumulated_batch_size", "_forward_cache", "_defau
 
 
 # Lightning's per-hook bookkeeping: every hook call of a training step (~22 at one micro-batch: the module's, the
-# callbacks', the strategy's) sets and restores ``LightningModule._current_fx_name`` and opens a profiler range, and
-# two calls a step read a hook's signature. At bfpp's host cost per step (benchmarks/host_overhead.py) each is worth
-# removing, and each bridge below does exactly what Lightning's own path does, only with less work:
-#   hook_names_set_directly_in_place          nn.Module.__setattr__'s checks of a str attribute, ~44 per step
+# callbacks', the strategy's) opens a profiler range, and two calls a step read a hook's signature. At bfpp's host cost
+# per step (benchmarks/host_overhead.py) each is worth removing, and each bridge below does exactly what Lightning's
+# own path does, only with less work:
 #   pass_through_profiles_without_generators_in_place   a @contextmanager generator per range, ~58 per step
 #   hook_signatures_read_once_in_place        inspect.getfullargspec of training_step, twice per step
 # Public alternative checked for each: none (they are inside Lightning's loop; a strategy hook cannot reach them).
 # Installed by the strategy's setup for fitting, like ``skip_logged_value_moves_in_place``: process-wide (speed only),
 # idempotent, Lightning's own functions kept as each replacement's ``__wrapped__`` (``restore_per_hook_bookkeeping``
 # puts them back); ``tests/test_private_apis.py`` compares each with Lightning's own.
-
-_FX_NAME = "_current_fx_name"
-# (a type -> whether an instance's `_current_fx_name` may be stored in its __dict__: see `_stores_hook_names_plainly`)
-_PLAIN_HOOK_NAME_TYPES: dict[type, bool] = {}
-
-
-def _stores_hook_names_plainly(cls: type) -> bool:
-    """Whether ``obj._current_fx_name = <a str or None>`` on an instance of `cls` is nn.Module.__setattr__ ending in
-    ``object.__setattr__``, which stores it in the instance's ``__dict__``: `cls`'s ``__setattr__`` is nn.Module's,
-    no class after nn.Module in its MRO has a ``__setattr__`` of its own (nn.Module's ``super().__setattr__``), and no
-    class has a ``_current_fx_name`` attribute (a descriptor would intercept the store). Read once per class: a class
-    given such an attribute or ``__setattr__`` after its first hook call is not seen (Lightning sets none)."""
-    plain = _PLAIN_HOOK_NAME_TYPES.get(cls)
-    if plain is None:
-        mro = cls.__mro__
-        after = mro[mro.index(torch.nn.Module) + 1:] if torch.nn.Module in mro else ()
-        plain = (cls.__setattr__ is torch.nn.Module.__setattr__
-                 and all("__setattr__" not in c.__dict__ for c in after if c is not object)
-                 and not any(_FX_NAME in c.__dict__ for c in mro))
-        _PLAIN_HOOK_NAME_TYPES[cls] = plain
-    return plain
-
-
-def set_hook_name(pl_module: Any, name: str | None) -> None:
-    """``pl_module._current_fx_name = name``, as nn.Module.__setattr__ does it for a str or None that names no
-    parameter, child module or buffer (it stores it in the instance's ``__dict__``), without its checks; anything else
-    goes through ``setattr`` (its errors included)."""
-    state = pl_module.__dict__
-    plain = _PLAIN_HOOK_NAME_TYPES.get(type(pl_module))  # (the cache of `_stores_hook_names_plainly`, read inline)
-    if plain is None:
-        plain = _stores_hook_names_plainly(type(pl_module))
-    if ((name is None or type(name) is str) and plain
-            and _FX_NAME not in state.get("_parameters", ()) and _FX_NAME not in state.get("_modules", ())
-            and _FX_NAME not in state.get("_buffers", ())):
-        state[_FX_NAME] = name
-    else:
-        setattr(pl_module, _FX_NAME, name)
-
-
-# Lightning 2.6.6's lightning/pytorch/trainer/call.py, each function as Lightning writes it but for
-# ``pl_module._current_fx_name = x`` written ``set_hook_name(pl_module, x)``. Installed only over the functions they
-# were copied from: `_LIGHTNING_HOOK_CALLS` holds the sha256 of each one's source (``inspect.getsource``).
-_LIGHTNING_HOOK_CALLS = {
-    "_call_lightning_module_hook": "558a87d04c4680e11dedd13657c37abf63e2da69ec5721e1cc330b6b699c2d8c",
-    "_call_callback_hooks": "c413fb9a6a9ce1a31d0c48ce381076ae9113f5db9862e5a5c58e95c7282ba2f3",
-    "_call_strategy_hook": "ff429e3ac60d2a80e8e770fb77ceef59766a2a90521b5d0062a82813d279b8db",
-}
-
-
-def _call_lightning_module_hook(trainer: Any, hook_name: str, *args: Any, pl_module: Any = None, **kwargs: Any) -> Any:
-    log = lightning_call.log
-    log.debug(f"{trainer.__class__.__name__}: calling lightning module hook: {hook_name}")
-
-    pl_module = pl_module or trainer.lightning_module
-
-    if pl_module is None:
-        raise TypeError("No `LightningModule` is available to call hooks on.")
-
-    fn = getattr(pl_module, hook_name)
-    if not callable(fn):
-        return None
-
-    prev_fx_name = pl_module._current_fx_name
-    set_hook_name(pl_module, hook_name)
-
-    with trainer.profiler.profile(f"[LightningModule]{pl_module.__class__.__name__}.{hook_name}"):
-        output = fn(*args, **kwargs)
-
-    # restore current_fx when nested context
-    set_hook_name(pl_module, prev_fx_name)
-
-    return output
-
-
-def _call_callback_hooks(trainer: Any, hook_name: str, *args: Any, monitoring_callbacks: bool | None = None,
-                         **kwargs: Any) -> None:
-    log = lightning_call.log
-    log.debug(f"{trainer.__class__.__name__}: calling callback hook: {hook_name}")
-
-    pl_module = trainer.lightning_module
-    if pl_module:
-        prev_fx_name = pl_module._current_fx_name
-        set_hook_name(pl_module, hook_name)
-
-    callbacks = trainer.callbacks
-    if monitoring_callbacks is True:
-        # the list of "monitoring callbacks" is hard-coded to these two. we could add an API to define this
-        callbacks = [cb for cb in callbacks if isinstance(cb, (EarlyStopping, Checkpoint))]
-    elif monitoring_callbacks is False:
-        callbacks = [cb for cb in callbacks if not isinstance(cb, (EarlyStopping, Checkpoint))]
-
-    for callback in callbacks:
-        fn = getattr(callback, hook_name)
-        if callable(fn):
-            with trainer.profiler.profile(f"[Callback]{callback.state_key}.{hook_name}"):
-                fn(trainer, trainer.lightning_module, *args, **kwargs)
-
-    if pl_module:
-        # restore current_fx when nested context
-        set_hook_name(pl_module, prev_fx_name)
-
-
-def _call_strategy_hook(trainer: Any, hook_name: str, *args: Any, **kwargs: Any) -> Any:
-    log = lightning_call.log
-    log.debug(f"{trainer.__class__.__name__}: calling strategy hook: {hook_name}")
-
-    pl_module = trainer.lightning_module
-    prev_fx_name = pl_module._current_fx_name
-    set_hook_name(pl_module, hook_name)
-
-    fn = getattr(trainer.strategy, hook_name)
-    if not callable(fn):
-        return None
-
-    with trainer.profiler.profile(f"[Strategy]{trainer.strategy.__class__.__name__}.{hook_name}"):
-        output = fn(*args, **kwargs)
-
-    # restore current_fx when nested context
-    set_hook_name(pl_module, prev_fx_name)
-
-    return output
-
-
-_HOOK_CALLS = {"_call_lightning_module_hook": _call_lightning_module_hook,
-               "_call_callback_hooks": _call_callback_hooks, "_call_strategy_hook": _call_strategy_hook}
-
-
-def hook_names_set_directly_in_place() -> bool:
-    """Replace Lightning's three per-hook call functions (``lightning.pytorch.trainer.call``; every loop and the Trainer
-    call them through that module) with the copies above, which set ``_current_fx_name`` through `set_hook_name`: ~1 us
-    instead of nn.Module.__setattr__'s ~6 us (two metaclass isinstance checks, a Python frame) on this CPU, ~44 times
-    a step. Only where every one of Lightning's functions is the source it was copied from (else all stay Lightning's;
-    returns whether the copies are installed)."""
-    current = {name: getattr(lightning_call, name) for name in _HOOK_CALLS}
-    if all(getattr(fn, "_bfpp_direct", False) for fn in current.values()):
-        return True
-    for name, fn in current.items():
-        if getattr(fn, "_bfpp_direct", False) or _source_sha256(fn) != _LIGHTNING_HOOK_CALLS[name]:
-            return False
-    for name, copy in _HOOK_CALLS.items():
-        copy.__wrapped__ = current[name]  # type: ignore[attr-defined]
-        copy._bfpp_direct = True  # type: ignore[attr-defined]
-        setattr(lightning_call, name, copy)
-    return True
-
-
-def _source_sha256(fn: Callable) -> str:
-    try:
-        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()
-    except (OSError, TypeError):
-        return ""
-
 
 class _PassingRange:
     """What ``PassThroughProfiler.profile(action_name)`` is: entering gives `action_name`, nothing else happens."""
@@ -448,11 +292,10 @@ def hook_signatures_read_once_in_place() -> None:
             spec = inspect.getfullargspec(hook_fx)
             known = read[id(code)] = (code, spec.args[1:], spec.varargs)  # ignore `self`, as Lightning does
         _, args, varargs = known
-        return (
-            param in args
-            or (not explicit and (varargs is not None))
-            or (isinstance(min_args, int) and len(args) >= min_args)
-        )
+        if param in args:
+            return True
+        takes_any = varargs is not None and not explicit  # *args may take it unless it must be named
+        return takes_any or (isinstance(min_args, int) and len(args) >= min_args)
 
     is_param_in_hook_signature._bfpp_once = True  # type: ignore[attr-defined]
     for name in _SIGNATURE_READERS:
@@ -462,18 +305,13 @@ def hook_signatures_read_once_in_place() -> None:
 
 
 def skip_per_hook_bookkeeping_in_place() -> None:
-    """The three bridges above, installed together (the strategy's setup for fitting)."""
-    hook_names_set_directly_in_place()
+    """The two bridges above, installed together (the strategy's setup for fitting)."""
     pass_through_profiles_without_generators_in_place()
     hook_signatures_read_once_in_place()
 
 
 def restore_per_hook_bookkeeping() -> None:
-    """Lightning's own functions back in place of the three bridges' (tests compare the two paths)."""
-    for name in _HOOK_CALLS:
-        fn = getattr(lightning_call, name)
-        if getattr(fn, "_bfpp_direct", False):
-            setattr(lightning_call, name, fn.__wrapped__)
+    """Lightning's own functions back in place of the two bridges' (tests compare the two paths)."""
     installed = PassThroughProfiler.profile
     if getattr(installed, "_bfpp_passing", False):
         if installed._bfpp_had_own:

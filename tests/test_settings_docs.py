@@ -20,20 +20,14 @@ import pytest
 import yaml
 
 from lightning_bfpp import BFPPStrategy, settings
-from lightning_bfpp.layout.plan import UNGIVEN_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMETERS = inspect.signature(BFPPStrategy).parameters
 SETTINGS = set(PARAMETERS)
 APP_DEFAULTS = {"pipeline_parallel", "micro_batches"}  # base.yaml's own choices for `make train`'s two processes
 NOT_LITERAL = object()
-
-
-def effective_default(name: str) -> Any:
-    """What a setting is when not given: its signature default, or for a layout setting whose signature default is
-    None (not pinned), the default the layout gives it."""
-    default = PARAMETERS[name].default
-    return UNGIVEN_DEFAULTS[name] if default is None and name in UNGIVEN_DEFAULTS else default
+# what each setting is when not given (the signature's default, or the layout's for a layout setting left at None)
+EFFECTIVE_DEFAULTS = settings.effective_defaults()
 
 
 def table_rows() -> dict[str, str]:
@@ -123,7 +117,7 @@ def test_docs_settings_table_gives_each_default():
     default that depends on the run (None in the signature) or is no literal (a timeout's timedelta)."""
     wrong = {}
     for name, cell in table_rows().items():
-        value, default = cell_value(cell), effective_default(name)
+        value, default = cell_value(cell), EFFECTIVE_DEFAULTS[name]
         if value is NOT_LITERAL:
             if default is not None and isinstance(default, (bool, int, float, str)):
                 wrong[name] = (cell, default)
@@ -139,7 +133,7 @@ def test_the_app_schedule_values_are_the_defaults_or_say_they_are_the_apps():
                 if re.match(r"^\w+:", line) and "#" in line}
     wrong = {}
     for key, value in values.items():
-        default = effective_default(key)
+        default = EFFECTIVE_DEFAULTS[key]
         if isinstance(default, timedelta):
             default = default.total_seconds()
         if key in APP_DEFAULTS:

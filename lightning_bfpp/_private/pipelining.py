@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,17 +39,7 @@ if not (
 
 
 
-class _NoRange:
-    """What `record_function` is when no profiler listens: nothing."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NO_RANGE = _NoRange()
+_NO_RANGE = nullcontext()  # what `record_function` is when no profiler listens: nothing (reusable)
 _record_function = _torch_schedules.record_function
 
 

@@ -15,8 +15,8 @@ from lightning_bfpp._private.versions import ALLOW_UNTESTED, SUPPORTED, check_ve
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "lightning_bfpp"
-BRIDGES = {"_private/pipelining.py", "_private/torch_api.py", "_private/lightning_api.py",
-           "_private/ring_attention.py"}  # lightning_bfpp/_private/
+BRIDGES = {"_private/pipelining.py", "_private/torch_fast_paths.py", "_private/torch_api.py",
+           "_private/lightning_api.py", "_private/ring_attention.py"}  # lightning_bfpp/_private/
 PRIVATE_ATTRIBUTES = {"_forward_cache", "_update_count", "_computed", "_reductions", "_optimizer", "_timeout",
                       "_local_tensor", "_get_default_store", "_StorageInfo", "_get_layout", "_PipelineScheduleRuntime",
                       "_Action", "_ComputationType", "_device_mesh", "_data_source", "_max_depth",
@@ -134,7 +134,7 @@ def test_the_runtimes_action_ranges_are_opened_only_under_a_profiler():
     from torch.distributed.pipelining import schedules
     from torch.profiler import ProfilerActivity, profile
 
-    import lightning_bfpp._private.pipelining  # noqa: F401  (installs the check)
+    import lightning_bfpp._private.torch_fast_paths  # noqa: F401  (installs the check)
 
     with schedules.record_function("PP:0F0") as handle:
         assert handle is None  # nothing opened
@@ -447,7 +447,7 @@ def test_stage_tensor_descriptions_are_made_when_formatted():
     from torch.distributed.pipelining import _debug
     from torch.distributed.pipelining import stage as torch_stage
 
-    import lightning_bfpp._private.pipelining  # noqa: F401  (installs the lazy description)
+    import lightning_bfpp._private.torch_fast_paths  # noqa: F401  (installs the lazy description)
 
     t = torch.randn(2, 3, requires_grad=True)
     values = [t, (t, t.detach()), {"x": t, "n": 3}, [t.double(), None], 1.5, "text"]
@@ -485,9 +485,9 @@ def test_inputs_split_into_micro_batches_as_torch_splits_them():
     import torch
     from torch.distributed.pipelining import microbatch, schedules
 
-    from lightning_bfpp._private import pipelining
+    from lightning_bfpp._private import torch_fast_paths
 
-    assert schedules.split_args_kwargs_into_chunks is pipelining._split_plain_tensors
+    assert schedules.split_args_kwargs_into_chunks is torch_fast_paths._split_plain_tensors
     torchs = microbatch.split_args_kwargs_into_chunks
 
     def leaf(*shape):
@@ -511,10 +511,10 @@ def test_inputs_split_into_micro_batches_as_torch_splits_them():
              ((x,), {"mask": y}, 2), ((torch.nn.Parameter(torch.randn(4, 2)),), None, 2), ((), {"a": x}, 2),
              ((torch.zeros(0, 2),), None, 1)]
     for args, kwargs, chunks in cases:
-        ours = _answer(pipelining._split_plain_tensors, args, kwargs, chunks)
+        ours = _answer(torch_fast_paths._split_plain_tensors, args, kwargs, chunks)
         theirs = _answer(torchs, args, kwargs, chunks)
         assert described(ours) == described(theirs), (args, kwargs, chunks)
-    assert len(pipelining._split_plain_tensors((x,), None, 4)[0]) == 4
+    assert len(torch_fast_paths._split_plain_tensors((x,), None, 4)[0]) == 4
 
 
 def test_stage_inputs_flatten_as_torch_flattens_them():
@@ -523,15 +523,15 @@ def test_stage_inputs_flatten_as_torch_flattens_them():
     from torch.distributed.pipelining import _utils
     from torch.distributed.pipelining import stage as torch_stage
 
-    from lightning_bfpp._private import pipelining
+    from lightning_bfpp._private import torch_fast_paths
 
-    assert torch_stage.flatten_args is pipelining._flatten_plain
+    assert torch_stage.flatten_args is torch_fast_paths._flatten_plain
     x, y = torch.randn(2, 3), torch.randn(4)
     for value in [(x,), (x, y), (), {}, {"a": x}, (x, 2), (x, (y,)), [x, y], (torch.nn.Parameter(y),), x, None,
                   ({"a": x},)]:
-        ours, theirs = pipelining._flatten_plain(value), _utils.flatten_args(value)
+        ours, theirs = torch_fast_paths._flatten_plain(value), _utils.flatten_args(value)
         assert type(ours) is type(theirs) is list and len(ours) == len(theirs)
         assert all(a is b for a, b in zip(ours, theirs)), value
-        ours = pipelining._flatten_plain(value, detach=True)
+        ours = torch_fast_paths._flatten_plain(value, detach=True)
         theirs = _utils.flatten_args(value, detach=True)
         assert type(ours) is type(theirs) and len(ours[1]) == len(theirs[1])

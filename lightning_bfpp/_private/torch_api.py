@@ -1,6 +1,7 @@
 """The private torch APIs lightning-bfpp uses outside torch.distributed.pipelining's schedule runtime (that one
-is lightning_bfpp/_private/pipelining.py). Each entry says why it is needed and which public alternative was checked
-(torch 2.13). Importing this module checks the installed torch against the tested range (versions.SUPPORTED)."""
+is lightning_bfpp/_private/pipelining.py, and its per-call fast paths torch_fast_paths.py). Each entry says why it
+is needed and which public alternative was checked (torch 2.13). Importing this module checks the installed torch
+against the tested range (versions.SUPPORTED)."""
 from __future__ import annotations
 
 import os

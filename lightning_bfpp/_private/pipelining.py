@@ -36,7 +36,6 @@ if not (
     )
 
 
-
 _TORCH_OP = {
     Op.FORWARD: _torch_schedules._ComputationType.FORWARD,
     Op.BACKWARD: _torch_schedules._ComputationType.FULL_BACKWARD,

@@ -1,7 +1,6 @@
 """The dependency versions lightning-bfpp was tested with, checked when a module that uses their private APIs is
-imported (lightning_bfpp/_private/pipelining.py, torch_fast_paths.py, lightning_bfpp/_private/torch_api.py,
-lightning_bfpp/_private/lightning_api.py). pyproject.toml states the same ranges (tests/test_private_apis.py
-compares them)."""
+imported (lightning_bfpp/_private/pipelining.py, torch_fast_paths.py, torch_api.py and lightning_api.py).
+pyproject.toml states the same ranges (tests/test_private_apis.py compares them)."""
 from __future__ import annotations
 
 import os

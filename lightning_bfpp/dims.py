@@ -322,11 +322,6 @@ class ParallelDims:
                               f"{n.context_parallel}={self.context_parallel}: expert parallel combines with tensor "
                               "parallel or with context parallel, not with both at once yet; set "
                               f"{n.context_parallel}=1 (or {n.tensor_parallel}=1).")
-        if self.spec.name == "breadth_first_zb":  # torch's weight backward fails through the experts' all-to-all
-            raise LayoutError(f"{n.expert_parallel}={ep} with {n.schedule}='breadth_first_zb': the zero-bubble split "
-                              "backward (the inputs' gradients first, the weights' later) does not run through the "
-                              f"experts' all-to-all yet; use {n.schedule}='breadth_first' (or 1f1b, depth_first, "
-                              f"gpipe), or {n.expert_parallel}=1.")
         if self.sharding != "full":
             raise LayoutError(f"{n.expert_parallel}={ep} with {n.sharding}={self.sharding!r}: the experts' copies are "
                               f"FSDP-sharded over the data-parallel ranks that hold them; use {n.sharding}=full, or "

@@ -65,8 +65,7 @@ SETTINGS: tuple[Setting, ...] = (
        dispatched by all-to-all); must divide data parallel and the experts.""",
        """See [Mixtures of experts](mixture_of_experts.md). With `context_parallel > 1` (or `tensor_parallel > 1`) an
        expert-parallel group is the ranks at one context-parallel (tensor-parallel) coordinate; not with
-       `tensor_parallel > 1` and `context_parallel > 1` together, `sharding="none"`, `schedule="breadth_first_zb"` or
-       `layout="auto"`."""),
+       `tensor_parallel > 1` and `context_parallel > 1` together, `sharding="none"` or `layout="auto"`."""),
     _s(L, "context_parallel", """processes `cp` sharing every sequence: each holds 1/cp of it (chunks i and 2cp−1−i)
        through every layer and stage, and attention gathers the rest; the sequence length must divide by 2·cp.""",
        """See [Context parallel](context_parallel.md): mesh (pp, dp, cp, tp), `dp = world_size / (pp·cp·tp)`; the model

@@ -100,9 +100,6 @@ def test_under_tensor_parallel_each_tp_coordinate_has_its_own_expert_groups():
      r"expert_parallel=4 must divide the data-parallel size 2 \(devices x num_nodes=4 / pipeline_parallel=1 / "
      r"tensor_parallel=2\)"),
     (dict(world=4, pp=1, ep=2, sharding="none"), r"expert_parallel=2 with sharding='none'.*use sharding=full"),
-    (dict(world=4, pp=1, ep=2, schedule="breadth_first_zb"), r"expert_parallel=2 with schedule='breadth_first_zb': "
-                                                             r"the zero-bubble split backward .*use schedule="
-                                                             r"'breadth_first'"),
     (dict(world=4, pp=1, ep=0), r"expert_parallel=0 must be a positive integer"),
 ])
 def test_bad_expert_parallel_settings_name_the_setting(kwargs, message):
@@ -305,6 +302,8 @@ LAUNCH = {  # pp=2 x dp=2 (ep=2 where given), pp=2 x cp=2, or pp=1 x dp=2 x cp|t
     "1f1b-ep2": {"pp": 2, "m": 4, "schedule": "1f1b", "ep": 2, **F64},
     "depth_first-ep2": {"pp": 2, "loops": 2, "m": 2, "schedule": "depth_first", "ep": 2, **F64},
     "zero_bubble": {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "router_loss": "micro_batch", **F64},
+    "zero_bubble-ep2": {"pp": 2, "loops": 2, "m": 2, "schedule": "breadth_first_zb", "router_loss": "micro_batch",
+                        "ep": 2, **F64},
     "groups2": {"pp": 2, "loops": 2, "m": 4, "groups": 2, **F64},
     "1f1b-cp2": {"pp": 2, "cp": 2, "m": 2, "schedule": "1f1b", **F64},
     "breadth_first-batch-ep2": {"pp": 2, "loops": 2, "m": 2, "ep": 2, **F64},

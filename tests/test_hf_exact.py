@@ -46,9 +46,10 @@ COUNTED = [{"family": "llama", "ignored": True, "m": 4}, {"family": "llama", "ig
 # their experts split over the 2 data-parallel ranks (expert_parallel=2: pp=2 x dp=2 x ep=2), DeepSeek-V3 (a shared
 # expert beside the routed ones, no router loss) too
 ROUTED = [{"family": "mixtral", "m": 4}, {"family": "qwen3_moe"}]
-# the router loss of each micro-batch (router_loss="micro_batch"): 1F1B (its default) and zero bubble
+# the router loss of each micro-batch (router_loss="micro_batch"): 1F1B (its default) and zero bubble, its experts
+# split over the 2 data-parallel ranks (ep=2: torch's split backward through the all-to-alls)
 MICRO_BATCH = [{"family": "qwen3_moe", "schedule": "1f1b", "loops": 1, "m": 4},
-               {"family": "mixtral", "schedule": "breadth_first_zb", "router_loss": "micro_batch"}]
+               {"family": "mixtral", "schedule": "breadth_first_zb", "router_loss": "micro_batch", "ep": 2}]
 # windows packing 2-4 documents (token batches with document ids): each document trains and predicts as if alone
 PACKED = [{"family": "llama", "packed": True}, {"family": "gpt2", "packed": True}]
 EXPERT_PARALLEL = [{"family": "mixtral", "m": 4, "ep": 2}, {"family": "qwen3_moe", "ep": 2},

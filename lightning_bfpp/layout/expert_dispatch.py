@@ -83,7 +83,12 @@ class _LocalView:
             # a zero term tying the output to every local weight and to the received rows, whatever was routed
             # here: every local weight gets a gradient (a rank none of whose experts got a token still joins its
             # FSDP group's reduction) and every rank runs the dispatch's backward all-to-all (the others wait for it)
-            anchor = hidden.sum() + sum(p.reshape(-1)[0] for p in tensors.values() if p.requires_grad)
+            # Each weight is added to the rows' sum by itself: a node joining two weights before the rows would sit
+            # in two of torch's zero-bubble weight groups (grouped where weights meet the input's path), run twice.
+            anchor = hidden.sum()
+            for p in tensors.values():
+                if p.requires_grad:
+                    anchor = anchor + p.reshape(-1)[0]
             return out + 0.0 * anchor
         finally:
             for name in tensors:
